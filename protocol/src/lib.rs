@@ -1,0 +1,1 @@
+//! kvsight-protocol: the one definition of what crosses the wire between sidecars and routers.
