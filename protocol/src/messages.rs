@@ -1,0 +1,344 @@
+//! The messages sidecars and routers exchange, one enum per direction.
+//!
+//! Compatibility rule: `Hello` is variant 0 of [`SidecarMessage`] and `protocol_version` is its
+//! first field, forever; likewise `Welcome`/`Refused` lead [`RouterMessage`]. A peer of another
+//! version can therefore always read the version and refuse with an error naming both, even when
+//! the rest of the message no longer parses (see [`crate::frame`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::bloom::FilterParams;
+
+/// Version of everything in this crate that crosses the wire, including the canonical hash.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Sidecar → router.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum SidecarMessage {
+    /// First message on every connection.
+    Hello(Hello),
+    /// The pod's load, at the scrape interval and at once on a phase change.
+    Load(Load),
+    /// The whole filter: after `Hello` on every (re)connect and after any doubt.
+    CacheSnapshot(CacheSnapshot),
+    /// What changed since the previous version.
+    CacheDelta(CacheDelta),
+    /// One piece of the model's tokenizer, answering [`RouterMessage::TokenizerRequest`].
+    TokenizerChunk(TokenizerChunk),
+    /// The sidecar is going away; the connection closes after this.
+    Goodbye(Goodbye),
+}
+
+/// Router → sidecar.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RouterMessage {
+    /// Accepts a `Hello`.
+    Welcome(Welcome),
+    /// Refuses a `Hello`; the connection closes after this.
+    Refused(Refused),
+    /// How many requests this router replica has in flight on the pod right now.
+    Inflight(Inflight),
+    /// Asks for the model's tokenizer (the router has none for it, or a different digest).
+    TokenizerRequest(TokenizerRequest),
+    /// The router's filter no longer matches the deltas (a bug or corruption): send a snapshot.
+    ResyncRequest,
+    /// The router is shutting down.
+    Goodbye(Goodbye),
+}
+
+/// Who the pod is and what its engine can do. Sent once per connection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must stay the first field (see the module docs).
+    pub protocol_version: u16,
+    /// Random per sidecar process start: tells a restarted sidecar from a reconnect.
+    pub instance_id: u64,
+    pub pod: PodIdentity,
+    pub engine: EngineFacts,
+    /// Served model names (vLLM's `--served-model-name`), the first is the primary.
+    pub models: Vec<String>,
+    /// LoRA adapters the engine serves (their names are model names too).
+    pub lora_adapters: Vec<String>,
+    /// Identifies the tokenizer the sidecar can hand out, if it has one.
+    pub tokenizer: Option<TokenizerInfo>,
+    /// The sidecar's build, for logs and `/debug/pods`.
+    pub sidecar_version: String,
+}
+
+/// Where the pod is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodIdentity {
+    pub name: String,
+    pub namespace: String,
+    /// The vLLM base URL routers send requests to, e.g. `http://10.0.3.7:8000`.
+    pub url: String,
+}
+
+/// The engine's limits as vLLM reports them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineFacts {
+    /// Tokens per KV block: the `B` of the canonical hash.
+    pub block_size: u32,
+    pub num_gpu_blocks: u64,
+    pub prefix_caching: bool,
+    pub max_num_seqs: u32,
+    pub max_model_len: u32,
+    /// Per-step token budget, when known.
+    pub max_num_batched_tokens: Option<u32>,
+    /// vLLM's version string, e.g. `0.33.0`.
+    pub engine_version: String,
+}
+
+/// A tokenizer's identity: routers fetch it only when they lack this digest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerInfo {
+    /// Hex digest over every file of the tokenizer.
+    pub digest: String,
+    /// Total bytes of all files.
+    pub total_bytes: u64,
+}
+
+/// Lifecycle of a pod as its sidecar sees it. Only `Ready` pods receive traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    /// Waiting for vLLM to answer `/health`.
+    Starting,
+    /// Running the warm-up plan: compile stalls are being absorbed.
+    Warming,
+    Ready,
+    /// SIGTERM received: finishing what runs, accepting nothing new.
+    Draining,
+    /// vLLM stopped answering `/health`.
+    Unhealthy,
+}
+
+impl Phase {
+    /// Lower-case name used in metrics labels and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Starting => "starting",
+            Phase::Warming => "warming",
+            Phase::Ready => "ready",
+            Phase::Draining => "draining",
+            Phase::Unhealthy => "unhealthy",
+        }
+    }
+
+    /// Every phase, for exporting a gauge per phase.
+    pub const ALL: [Phase; 5] = [
+        Phase::Starting,
+        Phase::Warming,
+        Phase::Ready,
+        Phase::Draining,
+        Phase::Unhealthy,
+    ];
+}
+
+/// How far the sidecar's mirror of the KV cache can be trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CacheView {
+    /// Every event since the last reset was seen.
+    Exact,
+    /// Events were missed and are being replayed.
+    Recovering,
+    /// Events were missed for good; the view was rebuilt and may lack blocks until they are
+    /// stored again (under-reports hits, never invents them).
+    Lost,
+}
+
+/// The pod's load, sampled from vLLM's own metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Load {
+    /// Increases by one per report on a connection.
+    pub seq: u64,
+    /// Milliseconds between sampling vLLM's metrics and sending this report. The router
+    /// subtracts it from the arrival time to know which of its own sends the sample already
+    /// includes, without comparing clocks across machines.
+    pub sample_age_ms: u32,
+    pub phase: Phase,
+    pub cache_view: CacheView,
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc`, 0 – 1.
+    pub kv_usage: f32,
+    /// running + waiting minus every router's reported in-flight count, never negative: the load
+    /// that bypassed the routers.
+    pub unrouted: u32,
+    /// `vllm:prefix_cache_queries_total` (tokens).
+    pub prefix_cache_queries: u64,
+    /// `vllm:prefix_cache_hits_total` (tokens).
+    pub prefix_cache_hits: u64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: u64,
+    /// Measured prefill throughput in tokens per second, when enough samples exist.
+    pub prefill_tokens_per_s: Option<f32>,
+    /// LoRA adapters with running requests.
+    pub lora_running: Vec<String>,
+    /// LoRA adapters with waiting requests.
+    pub lora_waiting: Vec<String>,
+}
+
+/// The whole Bloom filter at a version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheSnapshot {
+    pub version: u64,
+    pub params: FilterParams,
+    /// Blocks the sidecar knows resident (for display; the bits are what matter).
+    pub resident_blocks: u64,
+    /// The filter's words, little-endian, `params.num_blocks * 64` bytes.
+    #[serde(with = "serde_bytes")]
+    pub bits: Vec<u8>,
+}
+
+/// The bits that changed from `base_version` to `version` (= `base_version + 1`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheDelta {
+    pub base_version: u64,
+    pub version: u64,
+    pub resident_blocks: u64,
+    /// Strictly increasing bit positions to flip; on the wire as varint gaps, so a change of N
+    /// blocks costs about N × 8 bytes whatever the filter's size.
+    #[serde(with = "gaps")]
+    pub toggles: Vec<u32>,
+}
+
+/// Asks for the tokenizer of a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerRequest {
+    pub model: String,
+}
+
+/// Which tokenizer file a chunk belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TokenizerFile {
+    /// HF `tokenizer.json`.
+    TokenizerJson,
+    /// HF `tokenizer_config.json` (special tokens, usually the chat template).
+    TokenizerConfig,
+    /// A separate `chat_template.jinja`, when the model has one.
+    ChatTemplate,
+}
+
+/// One piece of one tokenizer file. Tokenizers can exceed a frame (Gemma's is over 30 MiB), so
+/// files travel in chunks of at most [`crate::tokenizer_transfer::CHUNK_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerChunk {
+    pub model: String,
+    pub digest: String,
+    pub file: TokenizerFile,
+    pub offset: u64,
+    pub file_len: u64,
+    /// Whether this is the final chunk of the final file.
+    pub last: bool,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+/// Accepts a sidecar.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// Must stay the first field.
+    pub protocol_version: u16,
+    /// The router replica's name, for the sidecar's logs and metrics.
+    pub router_id: String,
+}
+
+/// Refuses a sidecar, naming why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    /// Must stay the first field.
+    pub protocol_version: u16,
+    pub reason: String,
+}
+
+/// A router's in-flight requests on the pod it reports to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inflight {
+    pub seq: u64,
+    pub requests: u32,
+}
+
+/// Why a peer is leaving.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Goodbye {
+    pub reason: CloseReason,
+    pub message: String,
+}
+
+/// Reasons for closing a connection; also the QUIC application close codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CloseReason {
+    /// Ordinary shutdown.
+    Shutdown,
+    /// The pod drained and is leaving the pool.
+    Drained,
+    /// The peer speaks another protocol version.
+    VersionMismatch,
+    /// The peer sent something this side could not decode or did not expect.
+    ProtocolViolation,
+}
+
+impl CloseReason {
+    /// The QUIC application error code for this reason.
+    pub fn code(self) -> u32 {
+        match self {
+            CloseReason::Shutdown => 0,
+            CloseReason::Drained => 1,
+            CloseReason::VersionMismatch => 2,
+            CloseReason::ProtocolViolation => 3,
+        }
+    }
+
+    /// The reason for a QUIC application error code, if known.
+    pub fn from_code(code: u64) -> Option<Self> {
+        Some(match code {
+            0 => CloseReason::Shutdown,
+            1 => CloseReason::Drained,
+            2 => CloseReason::VersionMismatch,
+            3 => CloseReason::ProtocolViolation,
+            _ => return None,
+        })
+    }
+}
+
+/// Strictly increasing `u32`s as the first value and then the gaps between neighbours. Postcard
+/// writes `u32` as a varint, so dense or clustered positions take one or two bytes each.
+mod gaps {
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        let mut prev = None;
+        let mut out = Vec::with_capacity(v.len());
+        for &x in v {
+            out.push(match prev {
+                None => x,
+                // Unsorted input would encode garbage silently; saturate and let the decoder's
+                // strictness check reject it instead of panicking in a serializer.
+                Some(p) => x.saturating_sub(p),
+            });
+            prev = Some(x);
+        }
+        out.serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        let raw = Vec::<u32>::deserialize(d)?;
+        let mut out = Vec::with_capacity(raw.len());
+        let mut prev: Option<u32> = None;
+        for gap in raw {
+            let x = match prev {
+                None => gap,
+                Some(_) if gap == 0 => return Err(D::Error::custom("repeated delta position")),
+                Some(p) => p
+                    .checked_add(gap)
+                    .ok_or_else(|| D::Error::custom("delta position overflows u32"))?,
+            };
+            out.push(x);
+            prev = Some(x);
+        }
+        Ok(out)
+    }
+}
