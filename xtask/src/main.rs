@@ -77,17 +77,83 @@ fn ci(root: &Path) -> Result<()> {
             "warnings",
         ],
     )?;
-    step("cargo test", &["test", "--workspace", "--locked"])?;
+    let python = python_env(root)?;
+    let tally = run_tests(
+        Command::new(cargo())
+            .args(["test", "--workspace", "--locked", "--", "--show-output"])
+            .env("KVSIGHT_PYTHON", &python),
+    )?;
     step(
         "cargo bench --no-run",
         &["bench", "--workspace", "--locked", "--no-run"],
     )?;
     build_and_replay_fuzz(root, fuzz_manifest)?;
     println!(
-        "xtask ci: all steps passed in {:.0} s",
-        started.elapsed().as_secs_f64()
+        "xtask ci: all steps passed in {:.0} s; tests that skipped themselves: {}",
+        started.elapsed().as_secs_f64(),
+        if tally.skipped_names.is_empty() {
+            "none".to_string()
+        } else {
+            tally.skipped_names.join(", ")
+        }
+    );
+    // The closing line CI reads: one line for the whole suite.
+    println!(
+        "ci: {} passed, {} failed, {} skipped",
+        tally.passed - tally.skipped_names.len() as u64,
+        tally.failed,
+        tally.skipped_names.len()
     );
     Ok(())
+}
+
+#[derive(Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+    /// Tests that passed only because a fixture or tool was absent; they print
+    /// `skipped: <name>: <why>`.
+    skipped_names: Vec<String>,
+}
+
+/// Runs `cargo test`, echoing its output, and adds up its `test result:` lines.
+fn run_tests(cmd: &mut Command) -> Result<Tally> {
+    use std::io::{BufRead, BufReader};
+    println!("==> cargo test");
+    let t = Instant::now();
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting cargo test")?;
+    let mut tally = Tally::default();
+    let stdout = child.stdout.take().context("cargo test stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            tally.passed += count_before(rest, " passed");
+            tally.failed += count_before(rest, " failed");
+        } else if let Some(rest) = line.trim_start().strip_prefix("skipped: ") {
+            let name = rest.split(':').next().unwrap_or(rest).trim().to_string();
+            if !tally.skipped_names.contains(&name) {
+                tally.skipped_names.push(name);
+            }
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("`cargo test` failed ({status})");
+    }
+    println!("<== cargo test: ok in {:.1} s", t.elapsed().as_secs_f64());
+    Ok(tally)
+}
+
+/// The number just before `what` in a `test result:` line, e.g. `ok. 6 passed; 0 failed`.
+fn count_before(line: &str, what: &str) -> u64 {
+    line.find(what)
+        .and_then(|end| line[..end].rsplit(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Builds the fuzz crate with the toolchain at hand and replays its committed seed corpus once.
@@ -117,6 +183,55 @@ fn build_and_replay_fuzz(root: &Path, fuzz_manifest: &str) -> Result<()> {
         run(&label, Command::new(&bin).arg("-runs=0").arg(entry.path()))?;
     }
     Ok(())
+}
+
+/// A virtualenv with the Python packages the conformance tests compare against (vLLM's msgspec
+/// and pyzmq, Hugging Face tokenizers and jinja2), made once under `target/` and remade when
+/// `tests/python/requirements.txt` changes. Returns its interpreter.
+fn python_env(root: &Path) -> Result<PathBuf> {
+    let requirements = root.join("tests/python/requirements.txt");
+    let wanted = std::fs::read_to_string(&requirements).context("reading requirements.txt")?;
+    let venv = root.join("target/kvsight-python");
+    let python = venv.join("bin/python");
+    let stamp = venv.join("requirements.installed");
+    if python.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&wanted) {
+        return Ok(python);
+    }
+    if Command::new("python3")
+        .args(["-c", "import venv, ensurepip"])
+        .status()
+        .map(|s| !s.success())
+        .unwrap_or(true)
+    {
+        run(
+            "apt-get update",
+            Command::new("apt-get").args(["update", "-q"]),
+        )?;
+        run(
+            "apt-get install python3-venv",
+            Command::new("apt-get").args(["install", "-y", "-q", "python3", "python3-venv"]),
+        )?;
+    }
+    let _ = std::fs::remove_dir_all(&venv);
+    run(
+        "python venv",
+        Command::new("python3").arg("-m").arg("venv").arg(&venv),
+    )?;
+    run(
+        "pip install -r tests/python/requirements.txt",
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "-r",
+            ])
+            .arg(&requirements),
+    )?;
+    std::fs::write(&stamp, wanted).context("writing the venv stamp")?;
+    Ok(python)
 }
 
 fn bench(extra: &[String]) -> Result<()> {

@@ -10,7 +10,9 @@ use libfuzzer_sys::fuzz_target;
 
 fn drain<M: WireMessage + PartialEq + std::fmt::Debug>(data: &[u8], mut on: impl FnMut(&M)) {
     // Split the input at a data-chosen point to exercise reassembly as well.
-    let cut = data.first().map_or(0, |&b| usize::from(b) % (data.len() + 1));
+    let cut = data
+        .first()
+        .map_or(0, |&b| usize::from(b) % (data.len() + 1));
     let mut reader = FrameReader::new(1 << 20);
     for piece in [&data[..cut], &data[cut..]] {
         reader.push(piece);
