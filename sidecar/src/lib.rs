@@ -2,5 +2,9 @@
 //! metrics, warms the pod before it reports Ready and publishes limits, load and a Bloom filter of
 //! resident blocks to every router replica over QUIC with mutual TLS.
 //!
-//! Status: not built yet (issue "kvsight-sidecar"). This crate holds no behaviour so far; it
-//! exists so the workspace shows the architecture and the protocol crate has its consumer.
+//! Status (issue "kvsight-sidecar"): the sans-I/O core exists — [`kv_events::decode`] reads every
+//! vLLM KV-event layout and [`mirror`] keeps the exact resident set and its filter. The ZMQ
+//! subscriber, metrics scrape, warm-up, QUIC publisher and the binary are not built yet.
+
+pub mod kv_events;
+pub mod mirror;

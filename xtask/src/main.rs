@@ -46,6 +46,9 @@ fn main() -> Result<()> {
     }
 }
 
+/// The cargo-fuzz crates, one per decoder; each is its own workspace with a seed corpus.
+const FUZZ_CRATES: [&str; 2] = ["protocol/fuzz", "sidecar/fuzz"];
+
 fn workspace_root() -> PathBuf {
     // CARGO_MANIFEST_DIR is xtask/; its parent is the workspace root.
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -57,14 +60,26 @@ fn workspace_root() -> PathBuf {
 fn ci(root: &Path) -> Result<()> {
     let started = Instant::now();
     ensure_components()?;
-    let fuzz_manifest = root.join("protocol/fuzz/Cargo.toml");
-    let fuzz_manifest = fuzz_manifest.to_str().context("non-UTF-8 path")?;
-
     step("cargo fmt --check", &["fmt", "--all", "--", "--check"])?;
-    step(
-        "cargo fmt --check (fuzz)",
-        &["fmt", "--manifest-path", fuzz_manifest, "--", "--check"],
-    )?;
+    for dir in FUZZ_CRATES {
+        let manifest = format!("{dir}/Cargo.toml");
+        step(
+            &format!("cargo fmt --check ({dir})"),
+            &["fmt", "--manifest-path", &manifest, "--", "--check"],
+        )?;
+        step(
+            &format!("cargo clippy ({dir})"),
+            &[
+                "clippy",
+                "--manifest-path",
+                &manifest,
+                "--locked",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        )?;
+    }
     step(
         "cargo clippy",
         &[
@@ -87,7 +102,9 @@ fn ci(root: &Path) -> Result<()> {
         "cargo bench --no-run",
         &["bench", "--workspace", "--locked", "--no-run"],
     )?;
-    build_and_replay_fuzz(root, fuzz_manifest)?;
+    for dir in FUZZ_CRATES {
+        build_and_replay_fuzz(root, dir)?;
+    }
     println!(
         "xtask ci: all steps passed in {:.0} s; tests that skipped themselves: {}",
         started.elapsed().as_secs_f64(),
@@ -162,13 +179,14 @@ fn count_before(line: &str, what: &str) -> u64 {
 /// CI machines have only stable, so CI proves that the targets build and that no seed input
 /// crashes the decoder. A plain build of a libfuzzer-sys target still links libFuzzer's driver,
 /// which runs a corpus with `-runs=0`.
-fn build_and_replay_fuzz(root: &Path, fuzz_manifest: &str) -> Result<()> {
+fn build_and_replay_fuzz(root: &Path, dir: &str) -> Result<()> {
+    let manifest = format!("{dir}/Cargo.toml");
     step(
-        "fuzz targets build",
-        &["build", "--manifest-path", fuzz_manifest, "--locked"],
+        &format!("fuzz targets build ({dir})"),
+        &["build", "--manifest-path", &manifest, "--locked"],
     )?;
-    let target_dir = root.join("protocol/fuzz/target/debug");
-    let corpus_root = root.join("protocol/fuzz/corpus");
+    let target_dir = root.join(dir).join("target/debug");
+    let corpus_root = root.join(dir).join("corpus");
     for entry in std::fs::read_dir(&corpus_root).context("reading the fuzz corpus folder")? {
         let entry = entry?;
         let name = entry.file_name();

@@ -1,0 +1,4 @@
+//! vLLM's KV-cache event stream: decoding its payloads (every published layout) and, in later
+//! modules, subscribing over ZMQ with gap detection and replay.
+
+pub mod decode;
