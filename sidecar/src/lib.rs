@@ -8,3 +8,4 @@
 
 pub mod kv_events;
 pub mod mirror;
+pub mod scrape;

@@ -1,0 +1,76 @@
+//! vLLM's real exposition (0.33) and the pre-0.12 names.
+
+use kvsight_sidecar::scrape::{ScrapeError, parse};
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/fixtures/vllm/metrics-0.33.txt"
+);
+
+#[test]
+fn reads_vllm_0_33_exposition() {
+    let Ok(text) = std::fs::read_to_string(FIXTURE) else {
+        eprintln!("skipped: reads_vllm_0_33_exposition: fixture {FIXTURE} absent");
+        return;
+    };
+    let m = parse(&text).unwrap();
+    assert_eq!((m.running, m.waiting), (3.0, 1.0));
+    assert_eq!(m.kv_usage, 0.0421);
+    assert_eq!(
+        (m.prefix_cache_queries, m.prefix_cache_hits),
+        (4096.0, 2048.0)
+    );
+    assert_eq!(m.requests_finished, 8.0);
+    assert_eq!(m.prefill_computed_tokens_sum, Some(48.0));
+    let cc = m.cache_config.expect("cache_config_info");
+    assert_eq!(
+        (cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching),
+        (16, 27_000, true)
+    );
+    assert_eq!(cc.prefix_caching_hash_algo.as_deref(), Some("sha256"));
+    let lora = m.lora.expect("lora_requests_info");
+    assert_eq!(lora.running, vec!["sql-lora", "chat-lora"]);
+    assert!(lora.waiting.is_empty());
+    assert_eq!(lora.max_lora, Some(4));
+    assert_eq!(m.engines, 1);
+}
+
+#[test]
+fn pre_0_12_names_and_data_parallel_engines() {
+    let text = r#"
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m",engine="0"} 2.0
+vllm:num_requests_running{model_name="m",engine="1"} 5.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.2
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.6
+vllm:gpu_prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:gpu_prefix_cache_hits_total{engine="0",model_name="m"} 40.0
+vllm:cache_config_info{block_size="32",enable_prefix_caching="False",num_gpu_blocks="100",prefix_caching_hash_algo="None"} 1.0
+"#;
+    let m = parse(text).unwrap();
+    assert_eq!((m.running, m.waiting), (7.0, 1.0));
+    assert!((m.kv_usage - 0.4).abs() < 1e-9, "mean over engines");
+    assert_eq!((m.prefix_cache_queries, m.prefix_cache_hits), (100.0, 40.0));
+    let cc = m.cache_config.unwrap();
+    assert!(!cc.enable_prefix_caching);
+    assert_eq!(cc.prefix_caching_hash_algo, None);
+    assert_eq!(m.engines, 2);
+    assert_eq!(m.lora, None);
+}
+
+#[test]
+fn new_names_win_over_old_ones() {
+    let text = "vllm:kv_cache_usage_perc 0.5\nvllm:gpu_cache_usage_perc 0.9\nvllm:prefix_cache_hits_total 3\nvllm:gpu_prefix_cache_hits_total 99\n";
+    let m = parse(text).unwrap();
+    assert_eq!((m.kv_usage, m.prefix_cache_hits), (0.5, 3.0));
+}
+
+#[test]
+fn something_that_is_not_vllm_is_refused() {
+    assert_eq!(
+        parse("process_cpu_seconds_total 3\n").unwrap_err(),
+        ScrapeError::NotVllm
+    );
+}
