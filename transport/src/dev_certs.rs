@@ -1,0 +1,106 @@
+//! Throw-away certificate authorities for tests, the demo and local clusters (feature
+//! `dev-certs`). Production certificates come from the operator's PKI (cert-manager in the chart).
+
+use std::path::Path;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
+};
+
+use crate::{TlsMaterial, TransportError};
+
+/// A certificate and its key, PEM-encoded.
+#[derive(Debug, Clone)]
+pub struct IssuedPem {
+    pub cert: String,
+    pub key: String,
+}
+
+/// A self-signed CA that issues leaf certificates valid for both client and server auth.
+pub struct DevCa {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl std::fmt::Debug for DevCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevCa").finish_non_exhaustive()
+    }
+}
+
+fn err(e: rcgen::Error) -> TransportError {
+    TransportError::Tls(format!("certificate generation: {e}"))
+}
+
+impl DevCa {
+    /// A fresh CA named `name`.
+    pub fn new(name: &str) -> Result<Self, TransportError> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = KeyPair::generate().map_err(err)?;
+        Ok(DevCa {
+            issuer: CertifiedIssuer::self_signed(params, key).map_err(err)?,
+        })
+    }
+
+    /// The CA certificate, PEM.
+    pub fn ca_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// A leaf for `common_name`, valid for the DNS names / IP addresses in `sans`.
+    pub fn issue(&self, common_name: &str, sans: &[&str]) -> Result<IssuedPem, TransportError> {
+        let mut params =
+            CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .map_err(err)?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = KeyPair::generate().map_err(err)?;
+        let cert = params.signed_by(&key, &self.issuer).map_err(err)?;
+        Ok(IssuedPem {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        })
+    }
+
+    /// A leaf for `common_name` as ready-to-use TLS material trusting this CA.
+    pub fn material(
+        &self,
+        common_name: &str,
+        sans: &[&str],
+    ) -> Result<TlsMaterial, TransportError> {
+        let leaf = self.issue(common_name, sans)?;
+        TlsMaterial::from_pem(
+            leaf.cert.as_bytes(),
+            leaf.key.as_bytes(),
+            self.ca_pem().as_bytes(),
+        )
+    }
+
+    /// Writes `ca.pem`, `<name>.pem` and `<name>-key.pem` for each leaf into `dir`.
+    pub fn write_leaves(
+        &self,
+        dir: &Path,
+        leaves: &[(&str, &[&str])],
+    ) -> Result<(), TransportError> {
+        let io = |e: std::io::Error| TransportError::Tls(format!("writing certificates: {e}"));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::write(dir.join("ca.pem"), self.ca_pem()).map_err(io)?;
+        for (name, sans) in leaves {
+            let leaf = self.issue(name, sans)?;
+            std::fs::write(dir.join(format!("{name}.pem")), leaf.cert).map_err(io)?;
+            std::fs::write(dir.join(format!("{name}-key.pem")), leaf.key).map_err(io)?;
+        }
+        Ok(())
+    }
+}
