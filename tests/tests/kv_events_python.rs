@@ -239,7 +239,8 @@ async fn check_with_python(python: &str, layout: Layout, replay_layout: ReplayLa
     // Phase 1: the script is subscribed to a non-matching topic only; batch 0 must not reach it.
     let step = async {
         publisher.wait_for_subscriptions(1, WAIT).await?;
-        publisher.publish(batches[0].clone()).await?;
+        publisher.publish(batches[0].clone())?;
+        publisher.flush().await?;
         let seen = publisher.subscriptions_seen();
         stdin
             .write_all(b"go\n")
@@ -248,8 +249,9 @@ async fn check_with_python(python: &str, layout: Layout, replay_layout: ReplayLa
         // Phase 2: subscribed to our topic; the rest must arrive live.
         publisher.wait_for_subscriptions(seen + 1, WAIT).await?;
         for b in &batches[1..] {
-            publisher.publish(b.clone()).await?;
+            publisher.publish(b.clone())?;
         }
+        publisher.flush().await?;
         Ok::<_, kvsight_testbed::sim::kv_events::PublishError>(())
     }
     .await;
@@ -265,7 +267,7 @@ async fn check_with_python(python: &str, layout: Layout, replay_layout: ReplayLa
         "{layout:?}/{replay_layout:?}: publisher {step:?}, script {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
         output.status
     );
-    publisher.shutdown().await;
+    publisher.shutdown(WAIT).await;
 }
 
 #[tokio::test]

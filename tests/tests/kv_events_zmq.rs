@@ -61,8 +61,9 @@ async fn subscribed(publisher: &KvEventPublisher, topic: &str) -> Subscriber {
 
 async fn publish(publisher: &KvEventPublisher, range: std::ops::Range<u64>) {
     for i in range {
-        publisher.publish(batch(i)).await.expect("publish");
+        publisher.publish(batch(i)).expect("publish");
     }
+    publisher.flush().await.expect("flush");
 }
 
 async fn replay(publisher: &KvEventPublisher, start: u64, layout: ReplayLayout) -> Vec<Frames> {
@@ -100,7 +101,7 @@ async fn live_frames_carry_topic_and_consecutive_seqs_from_zero() {
         assert_eq!(items[2], Value::from(0));
     }
     assert_eq!(publisher.next_seq(), 5);
-    publisher.shutdown().await;
+    publisher.shutdown(WAIT).await;
 }
 
 #[tokio::test]
@@ -170,7 +171,7 @@ async fn replay_returns_the_buffered_batches_from_start_in_both_layouts() {
         );
         // Past the newest batch: only the end marker.
         assert!(replay(&publisher, 6, layout).await.is_empty(), "{layout:?}");
-        publisher.shutdown().await;
+        publisher.shutdown(WAIT).await;
     }
 }
 
@@ -260,7 +261,7 @@ async fn connect_mode_publisher_reaches_a_bound_subscriber() {
 async fn dropping_the_publisher_releases_its_port() {
     let publisher = publisher(PublisherConfig::loopback(TOPIC)).await;
     let endpoint = publisher.endpoint().to_owned();
-    publisher.shutdown().await;
+    publisher.shutdown(WAIT).await;
     let again = KvEventPublisher::bind(PublisherConfig {
         endpoint: endpoint.clone(),
         replay_endpoint: None,
@@ -269,4 +270,28 @@ async fn dropping_the_publisher_releases_its_port() {
     .await
     .expect("port free again after shutdown");
     assert_eq!(again.endpoint(), endpoint);
+}
+
+#[tokio::test]
+async fn a_full_send_queue_drops_live_messages_without_blocking_publish() {
+    let publisher = publisher(PublisherConfig {
+        queue_capacity: 1,
+        ..PublisherConfig::loopback(TOPIC)
+    })
+    .await;
+    let mut sub = subscribed(&publisher, TOPIC).await;
+    // The test runtime is single-threaded: the sending task cannot run during this loop, so
+    // the first batch fills the queue and the other nine overflow it.
+    for i in 0..10 {
+        assert_eq!(publisher.publish(batch(i)).expect("publish"), i);
+    }
+    assert_eq!(publisher.live_messages_lost(), 9);
+    publisher.flush().await.expect("flush");
+    publish(&publisher, 10..11).await;
+    assert_eq!(publisher.live_messages_lost(), 9);
+    assert_eq!(sub.recv(WAIT).await.expect("live").seq, 0);
+    assert_eq!(sub.recv(WAIT).await.expect("live").seq, 10);
+    // Everything stays replayable.
+    let frames = replay(&publisher, 0, ReplayLayout::New).await;
+    assert_eq!(seqs(&frames), (0..11).collect::<Vec<_>>());
 }

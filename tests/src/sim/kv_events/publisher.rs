@@ -8,18 +8,22 @@
 //! is in" with an exact condition. One task owns that socket, because sending and receiving on it
 //! both need exclusive access; a second task owns the ROUTER and, as vLLM does, serves one replay
 //! request at a time.
+//!
+//! [`KvEventPublisher::publish`] only queues, like vLLM's `publish` (a queue drained by a
+//! thread): a subscriber that stops reading can make the socket wait, and that must never stall
+//! the simulated engine. A full queue drops live messages (they stay replayable), as a PUB
+//! socket past its high-water mark does.
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
-use zeromq::{
-    RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqError, ZmqMessage, ZmqResult,
-};
+use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqError, ZmqMessage};
 
 use super::{EncodeError, EventBatch, Layout, encode_batch};
 
@@ -66,6 +70,9 @@ pub struct PublisherConfig {
     pub layout: Layout,
     /// Replay reply framing. Default [`ReplayLayout::New`].
     pub replay_layout: ReplayLayout,
+    /// Live messages queued for the PUB socket before new ones are dropped (vLLM's `hwm` and
+    /// `max_queue_size` play this part). Default 100 000.
+    pub queue_capacity: usize,
     /// Written into batches whose `data_parallel_rank` is `None` (vLLM always does this; `None`
     /// here leaves them nil). Ranks > 0 also shift both ports by the rank, as vLLM does.
     /// Default `Some(0)`.
@@ -82,6 +89,7 @@ impl Default for PublisherConfig {
             buffer_steps: 10_000,
             layout: Layout::Map,
             replay_layout: ReplayLayout::New,
+            queue_capacity: 100_000,
             data_parallel_rank: Some(0),
         }
     }
@@ -111,8 +119,6 @@ pub enum PublishError {
     Connect { endpoint: String, source: ZmqError },
     #[error("cannot encode batch: {0}")]
     Encode(#[from] EncodeError),
-    #[error("PUB send failed: {0}")]
-    Send(ZmqError),
     #[error("the publisher task has stopped")]
     Closed,
     #[error("saw {seen} subscriptions within {waited:?}, wanted {wanted}")]
@@ -200,9 +206,17 @@ fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-struct PubCommand {
-    message: ZmqMessage,
-    done: oneshot::Sender<ZmqResult<()>>,
+enum PubCommand {
+    Send(ZmqMessage),
+    /// Answered once every message queued before it has been handed to the socket.
+    Flush(oneshot::Sender<()>),
+}
+
+/// Counters of live messages that never reached the socket or failed in it.
+#[derive(Default)]
+struct Losses {
+    queue_full: AtomicU64,
+    send_failed: AtomicU64,
 }
 
 /// A vLLM KV-event publisher on real ZMQ sockets. Dropping it stops both sockets.
@@ -214,7 +228,8 @@ pub struct KvEventPublisher {
     buffer_steps: usize,
     data_parallel_rank: Option<u32>,
     shared: Arc<Mutex<Shared>>,
-    commands: mpsc::UnboundedSender<PubCommand>,
+    commands: mpsc::Sender<PubCommand>,
+    losses: Arc<Losses>,
     subscriptions: watch::Receiver<u64>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -281,12 +296,14 @@ impl KvEventPublisher {
             ring: VecDeque::with_capacity(config.buffer_steps.min(1024)),
             live_drop: None,
         }));
-        let (commands, command_rx) = mpsc::unbounded_channel();
+        let (commands, command_rx) = mpsc::channel(config.queue_capacity.max(1));
         let (subscriptions_tx, subscriptions) = watch::channel(0);
+        let losses = Arc::new(Losses::default());
         let mut tasks = vec![tokio::spawn(run_pub(
             pub_socket,
             command_rx,
             subscriptions_tx,
+            Arc::clone(&losses),
         ))];
         if let Some(socket) = replay_socket {
             tasks.push(tokio::spawn(run_replay(
@@ -306,6 +323,7 @@ impl KvEventPublisher {
             data_parallel_rank: config.data_parallel_rank,
             shared,
             commands,
+            losses,
             subscriptions,
             tasks,
         })
@@ -326,53 +344,64 @@ impl KvEventPublisher {
         &self.topic
     }
 
-    /// Assigns the next sequence number to `batch`, keeps it for replay and sends it on the PUB
-    /// socket (unless that seq is in the live-drop range). Returns the seq. Like a real PUB, the
-    /// message is silently not delivered to peers that have not subscribed yet.
-    pub async fn publish(&self, mut batch: EventBatch) -> Result<u64, PublishError> {
+    /// Assigns the next sequence number to `batch`, keeps it for replay and queues it for the PUB
+    /// socket (unless that seq is in the live-drop range); returns the seq. Never waits: use
+    /// [`flush`](Self::flush) to know it left. Like a real PUB, the message is silently not
+    /// delivered to peers that have not subscribed yet.
+    pub fn publish(&self, mut batch: EventBatch) -> Result<u64, PublishError> {
         if batch.data_parallel_rank.is_none() {
             batch.data_parallel_rank = self.data_parallel_rank;
         }
         let payload = Bytes::from(encode_batch(&batch, self.layout)?);
-        let (seq, sent) = {
-            let mut shared = lock(&self.shared);
-            let seq = shared.next_seq;
-            shared.next_seq += 1;
-            if self.buffer_steps > 0 {
-                if shared.ring.len() >= self.buffer_steps {
-                    shared.ring.pop_front();
-                }
-                shared.ring.push_back((seq, payload.clone()));
+        let mut shared = lock(&self.shared);
+        let seq = shared.next_seq;
+        shared.next_seq += 1;
+        if self.buffer_steps > 0 {
+            if shared.ring.len() >= self.buffer_steps {
+                shared.ring.pop_front();
             }
-            let live = !shared
-                .live_drop
-                .as_ref()
-                .is_some_and(|range| range.contains(&seq));
+            shared.ring.push_back((seq, payload.clone()));
+        }
+        let live = !shared
+            .live_drop
+            .as_ref()
+            .is_some_and(|range| range.contains(&seq));
+        if live {
+            let frames = vec![
+                self.topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            let message = ZmqMessage::try_from(frames).map_err(|_| PublishError::Closed)?;
             // Queued while the lock is held so that concurrent publishers hit the wire in seq
             // order.
-            let sent = if live {
-                let frames = vec![
-                    self.topic.clone(),
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    payload,
-                ];
-                let message = ZmqMessage::try_from(frames).map_err(|_| PublishError::Closed)?;
-                let (done, done_rx) = oneshot::channel();
-                self.commands
-                    .send(PubCommand { message, done })
-                    .map_err(|_| PublishError::Closed)?;
-                Some(done_rx)
-            } else {
-                None
-            };
-            (seq, sent)
-        };
-        if let Some(done) = sent {
-            done.await
-                .map_err(|_| PublishError::Closed)?
-                .map_err(PublishError::Send)?;
+            match self.commands.try_send(PubCommand::Send(message)) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    self.losses.queue_full.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(PublishError::Closed),
+            }
         }
         Ok(seq)
+    }
+
+    /// Waits until every batch published so far has been handed to the PUB socket (or lost, see
+    /// [`live_messages_lost`](Self::live_messages_lost)).
+    pub async fn flush(&self) -> Result<(), PublishError> {
+        let (done, done_rx) = oneshot::channel();
+        self.commands
+            .send(PubCommand::Flush(done))
+            .await
+            .map_err(|_| PublishError::Closed)?;
+        done_rx.await.map_err(|_| PublishError::Closed)
+    }
+
+    /// Live messages lost so far because the send queue was full or the socket refused them;
+    /// they remain available through replay while buffered.
+    pub fn live_messages_lost(&self) -> u64 {
+        self.losses.queue_full.load(Ordering::Relaxed)
+            + self.losses.send_failed.load(Ordering::Relaxed)
     }
 
     /// The seq the next [`publish`](Self::publish) will use.
@@ -418,8 +447,11 @@ impl KvEventPublisher {
         }
     }
 
-    /// Stops both sockets and waits until their tasks are gone, so their ports are released.
-    pub async fn shutdown(mut self) {
+    /// Sends what is queued (bounded by `grace`), then stops both sockets and waits until their
+    /// tasks are gone, so their ports are released.
+    pub async fn shutdown(mut self, grace: Duration) {
+        // A flush that fails or times out only means less was delivered; stopping goes on.
+        let _ = tokio::time::timeout(grace, self.flush()).await;
         for task in std::mem::take(&mut self.tasks) {
             task.abort();
             // A cancelled task's JoinError is the expected outcome here.
@@ -439,16 +471,25 @@ impl Drop for KvEventPublisher {
 /// Owns the XPUB socket: sends what `publish` queued and counts subscription messages.
 async fn run_pub(
     mut socket: XPubSocket,
-    mut commands: mpsc::UnboundedReceiver<PubCommand>,
+    mut commands: mpsc::Receiver<PubCommand>,
     subscriptions: watch::Sender<u64>,
+    losses: Arc<Losses>,
 ) {
     loop {
         tokio::select! {
-            command = commands.recv() => {
-                let Some(PubCommand { message, done }) = command else { break };
-                // The caller may have given up waiting; the message is on its way regardless.
-                let _ = done.send(socket.send(message).await);
-            }
+            // Queued batches go before newly arrived subscriptions, so that a batch published
+            // before a subscriber joined is never delivered to it.
+            biased;
+            command = commands.recv() => match command {
+                Some(PubCommand::Send(message)) => {
+                    if socket.send(message).await.is_err() {
+                        losses.send_failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                // The flusher may have given up waiting; nothing to undo.
+                Some(PubCommand::Flush(done)) => drop(done.send(())),
+                None => break,
+            },
             received = socket.recv() => {
                 // A subscribe request is one frame `\x01<prefix>`; `\x00` unsubscribes. Errors
                 // here are peers going away, which the socket already handles.
