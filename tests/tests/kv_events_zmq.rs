@@ -295,3 +295,49 @@ async fn a_full_send_queue_drops_live_messages_without_blocking_publish() {
     let frames = replay(&publisher, 0, ReplayLayout::New).await;
     assert_eq!(seqs(&frames), (0..11).collect::<Vec<_>>());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_subscriber_after_another_left_gets_the_stream_on_a_threaded_runtime() {
+    let publisher = publisher(PublisherConfig::loopback(TOPIC)).await;
+    let mut first = subscribed(&publisher, TOPIC).await;
+    publish(&publisher, 0..2).await;
+    assert_eq!(first.recv(WAIT).await.expect("live").seq, 0);
+    drop(first);
+
+    let mut second = subscribed(&publisher, TOPIC).await;
+    publish(&publisher, 2..50).await;
+    for i in 2..50 {
+        assert_eq!(second.recv(WAIT).await.expect("live").seq, i);
+    }
+}
+
+#[tokio::test]
+async fn dropping_the_publisher_without_shutdown_also_frees_its_port() {
+    let publisher = publisher(PublisherConfig::loopback(TOPIC)).await;
+    let endpoint = publisher.endpoint().to_owned();
+    drop(publisher);
+    // Drop only aborts the socket tasks; the listener closes once they have been cancelled,
+    // a few scheduler turns later.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut last_error = None;
+    for _ in 0..10_000 {
+        match KvEventPublisher::bind(PublisherConfig {
+            endpoint: endpoint.clone(),
+            replay_endpoint: None,
+            ..PublisherConfig::loopback(TOPIC)
+        })
+        .await
+        {
+            Ok(again) => {
+                assert_eq!(again.endpoint(), endpoint);
+                return;
+            }
+            Err(e) => last_error = Some(e),
+        }
+        if tokio::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("port {endpoint} still taken after drop: {last_error:?}");
+}

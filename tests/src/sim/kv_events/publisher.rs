@@ -547,21 +547,28 @@ async fn run_replay(
                 .collect(),
             None => Vec::new(),
         };
-        let end = (Bytes::from_static(&END_SEQ), Bytes::new());
-        let replies = batches
-            .into_iter()
-            .map(|(seq, payload)| (Bytes::copy_from_slice(&seq.to_be_bytes()), payload))
-            .chain(std::iter::once(end.clone()));
-        for (seq, payload) in replies {
-            let is_end = seq.as_ref() == END_SEQ;
-            let mut reply = vec![identity.clone(), Bytes::new()];
-            if layout == ReplayLayout::New {
-                // 0.26+ repeats the topic in data frames and sends an empty one in the end marker.
-                reply.push(if is_end { Bytes::new() } else { topic.clone() });
+        // `None` marks the end marker, which closes every reply.
+        let replies = batches.into_iter().map(Some).chain(std::iter::once(None));
+        for reply in replies {
+            let mut out = vec![identity.clone(), Bytes::new()];
+            match (reply, layout) {
+                (Some((seq, payload)), ReplayLayout::New) => out.extend([
+                    topic.clone(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                ]),
+                (Some((seq, payload)), ReplayLayout::Old) => {
+                    out.extend([Bytes::copy_from_slice(&seq.to_be_bytes()), payload]);
+                }
+                // 0.26+ sends an empty topic frame in the end marker.
+                (None, ReplayLayout::New) => {
+                    out.extend([Bytes::new(), Bytes::from_static(&END_SEQ), Bytes::new()]);
+                }
+                (None, ReplayLayout::Old) => {
+                    out.extend([Bytes::from_static(&END_SEQ), Bytes::new()]);
+                }
             }
-            reply.push(seq);
-            reply.push(payload);
-            let Ok(reply) = ZmqMessage::try_from(reply) else {
+            let Ok(reply) = ZmqMessage::try_from(out) else {
                 break;
             };
             // A requester that left mid-replay gets nothing more; the next request starts over.
