@@ -236,7 +236,8 @@ pub struct KvEventPublisher {
 
 impl KvEventPublisher {
     /// Binds (or connects) the PUB socket and binds the replay socket, then starts serving.
-    /// Must be called inside a tokio runtime.
+    /// Must be called inside a tokio runtime. Unlike libzmq's lazy connect, connect mode waits
+    /// until the peer accepts (the `zeromq` crate's connect timeout, 30 s, bounds it).
     pub async fn bind(config: PublisherConfig) -> Result<Self, PublishError> {
         let rank = config.data_parallel_rank.unwrap_or(0);
         let endpoint = offset_endpoint_port(&config.endpoint, rank)?;
