@@ -252,8 +252,8 @@ impl BlockPool {
         self.emit_stored(from, to, info);
     }
 
-    /// vLLM 0.33 re-announces blocks reused from the prefix cache; `count` blocks from the chain
-    /// start were hit.
+    /// vLLM 0.33 re-announces blocks reused from the prefix cache (`emit_cached_block_events`):
+    /// one `BlockStored` for the `count` hit blocks from the chain start, parent `None`.
     pub(crate) fn announce_reused(&mut self, count: usize, info: &StoreInfo<'_>) {
         if self.enable_caching && count > 0 {
             self.emit_stored(0, count, info);

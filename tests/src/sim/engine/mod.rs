@@ -436,7 +436,8 @@ impl Engine {
 
     /// vLLM's `get_computed_blocks`: the cached prefix of a waiting request, capped so that at
     /// least the last prompt token is recomputed (the model must produce logits for it). Records
-    /// the prefix-cache query; a request resumed after preemption is counted apart, as in vLLM.
+    /// the prefix-cache query; a request resumed after preemption is counted apart, as in vLLM
+    /// (its lookups feed vLLM's separate `preempted_*` stats, not the Prometheus counters).
     fn computed_blocks(&mut self, slot: usize) -> Vec<BlockId> {
         if !self.config.enable_prefix_caching {
             return Vec::new();
@@ -450,6 +451,11 @@ impl Engine {
             self.stats.prefix_cache_queries += req.tokens.len() as u64;
             self.stats.prefix_cache_hits += (hit.len() * self.config.block_size) as u64;
         }
+        // vLLM's "full" KV report mode announces the reused chain here, at lookup, so a request
+        // that then fails to get blocks announces it again on its next attempt.
+        if self.config.emit_reused_stores {
+            self.pool.announce_reused(hit.len(), &req.store_info());
+        }
         hit
     }
 
@@ -458,7 +464,6 @@ impl Engine {
     /// cached (and announced) at scheduling time, as vLLM does.
     fn allocate_slots(&mut self, slot: usize, num_new: usize, hit: &[BlockId]) -> bool {
         let bs = self.config.block_size;
-        let emit_reused = self.config.emit_reused_stores;
         let Some(req) = self.slots[slot].as_mut() else {
             return false;
         };
@@ -475,9 +480,6 @@ impl Engine {
             pool.touch(hit);
             req.blocks.extend_from_slice(hit);
             req.num_cached_blocks = hit.len();
-            if emit_reused {
-                pool.announce_reused(hit.len(), &req.store_info());
-            }
         }
         let Some(new_blocks) = pool.allocate(to_allocate) else {
             return false;

@@ -792,3 +792,48 @@ proptest! {
         prop_assert_eq!(e.stats().kv_cache_usage, 0.0);
     }
 }
+
+#[test]
+fn the_latest_started_request_is_preempted_and_resumes_first() {
+    // 16 usable blocks of 4 tokens: two requests growing to 60 tokens cannot both fit.
+    let mut e = engine(base().block_size(4).num_gpu_blocks(17).max_model_len(64));
+    e.submit(Request::new("old", prompt(0, 20), 40))
+        .expect("ok");
+    e.step();
+    e.submit(Request::new("new", prompt(1000, 20), 40))
+        .expect("ok");
+    let mut steps = 0;
+    while e.stats().num_preemptions == 0 {
+        e.step();
+        steps += 1;
+        assert!(steps < 1000, "no preemption");
+    }
+    e.check_invariants().expect("invariants");
+    let s = e.stats();
+    assert_eq!((s.running, s.waiting), (1, 1));
+    assert!(e.contains("new"));
+    // A third request arrives later: the preempted one is at the front and goes first.
+    e.submit(Request::new("later", prompt(2000, 8), 1))
+        .expect("ok");
+    let rest = drain(&mut e);
+    let finish_step = |id: &str| {
+        rest.iter()
+            .position(|s| s.outputs.iter().any(|o| o.id == id && o.finished.is_some()))
+            .expect("finished")
+    };
+    let first_output = |id: &str| {
+        rest.iter()
+            .position(|s| s.outputs.iter().any(|o| o.id == id))
+            .expect("produced output")
+    };
+    assert!(
+        finish_step("old") < first_output("new"),
+        "old keeps running until done"
+    );
+    assert!(
+        first_output("new") <= first_output("later"),
+        "FCFS after preemption"
+    );
+    // The resumed request's lookup is not a new prefix-cache query.
+    assert_eq!(e.stats().prefix_cache_queries, 20 + 20 + 8);
+}
