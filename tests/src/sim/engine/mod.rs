@@ -217,7 +217,9 @@ impl Engine {
         self.ids.contains_key(id)
     }
 
-    /// KV events produced outside a step (a reset while idle); `step` returns them too.
+    /// KV events produced outside a step (a reset while idle). `step` returns them too; real vLLM
+    /// publishes a reset's `AllBlocksCleared` with the next step's batch, so an idle vLLM sends it
+    /// only when work arrives. Calling this publishes it at once instead.
     pub fn take_events(&mut self) -> Vec<EngineKvEvent> {
         self.pool.take_events()
     }
@@ -398,10 +400,12 @@ impl Engine {
             }
         }
         if !finished.is_empty() {
-            self.running.retain(|s| !finished.contains(s));
             for slot in finished {
                 self.release(slot);
             }
+            // Released slots are empty: one pass, whatever the number finished.
+            let slots = &self.slots;
+            self.running.retain(|&s| slots[s].is_some());
         }
         out.events = self.pool.take_events();
         out

@@ -837,3 +837,19 @@ fn the_latest_started_request_is_preempted_and_resumes_first() {
     // The resumed request's lookup is not a new prefix-cache query.
     assert_eq!(e.stats().prefix_cache_queries, 20 + 20 + 8);
 }
+
+#[test]
+fn identical_blocks_filled_independently_are_cached_twice_like_vllm() {
+    let mut e = engine(base().emit_reused_stores(false));
+    // Same prompt, admitted in the same step: B hits A's first block, then both generate the
+    // same tokens and each fills its own copy of the second block.
+    e.submit(Request::new("a", prompt(0, 20), 20)).expect("ok");
+    e.submit(Request::new("b", prompt(0, 20), 20)).expect("ok");
+    let evs = events(&drain(&mut e));
+    let stored = stored_hashes(&evs);
+    assert_eq!(stored.len(), 3, "{evs:?}");
+    assert_eq!(stored[1], stored[2]);
+    assert!(e.resident_block_hash_counts().contains(&(stored[1], 2)));
+    assert_eq!(e.num_cached_blocks(), 3);
+    assert_eq!(e.resident_block_hashes().len(), 2);
+}
