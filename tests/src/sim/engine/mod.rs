@@ -38,6 +38,7 @@ struct ReqState {
     lora_name: Option<String>,
     cache_salt: Option<String>,
     ignore_eos: bool,
+    report_reused_blocks: bool,
     /// Extra keys of the first block and of every other block, computed once.
     extra_first: Option<Vec<String>>,
     extra_rest: Option<Vec<String>>,
@@ -165,6 +166,9 @@ impl Engine {
             lora_name: request.lora_name,
             cache_salt: request.cache_salt,
             ignore_eos: request.ignore_eos,
+            report_reused_blocks: request
+                .report_reused_blocks
+                .unwrap_or(self.config.emit_reused_stores),
             block_hashes: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
@@ -227,6 +231,18 @@ impl Engine {
     /// vLLM's `reset_prefix_cache`: refused (false) while any request holds blocks; otherwise
     /// every cached hash is forgotten and `AllBlocksCleared` is queued for the next step.
     pub fn reset_prefix_cache(&mut self) -> bool {
+        self.reset_prefix_cache_with(false)
+    }
+
+    /// vLLM's `reset_prefix_cache(reset_running_requests)`: with `true`, every running request
+    /// is first preempted (popped from the back, so they return to the waiting queue in their
+    /// running order) and the reset then always succeeds.
+    pub fn reset_prefix_cache_with(&mut self, reset_running_requests: bool) -> bool {
+        if reset_running_requests {
+            while let Some(slot) = self.running.pop() {
+                self.preempt(slot);
+            }
+        }
         self.pool.reset_prefix_cache()
     }
 
@@ -457,7 +473,7 @@ impl Engine {
         }
         // vLLM's "full" KV report mode announces the reused chain here, at lookup, so a request
         // that then fails to get blocks announces it again on its next attempt.
-        if self.config.emit_reused_stores {
+        if req.report_reused_blocks {
             self.pool.announce_reused(hit.len(), &req.store_info());
         }
         hit

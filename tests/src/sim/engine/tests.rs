@@ -667,7 +667,8 @@ enum Op {
     },
     Step,
     Abort(usize),
-    Reset,
+    /// Reset the prefix cache; `true` preempts running requests first.
+    Reset(bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -684,7 +685,7 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         5 => Just(Op::Step),
         1 => (0..64usize).prop_map(Op::Abort),
-        1 => Just(Op::Reset),
+        1 => any::<bool>().prop_map(Op::Reset),
     ]
 }
 
@@ -769,9 +770,9 @@ proptest! {
                         aborted += 1;
                     }
                 }
-                Op::Reset => {
+                Op::Reset(preempt) => {
                     let idle = e.stats().kv_cache_usage == 0.0;
-                    prop_assert_eq!(e.reset_prefix_cache(), idle);
+                    prop_assert_eq!(e.reset_prefix_cache_with(preempt), idle || preempt);
                     let evs = e.take_events();
                     apply(&evs, &mut mirror)?;
                 }
@@ -852,4 +853,39 @@ fn identical_blocks_filled_independently_are_cached_twice_like_vllm() {
     assert!(e.resident_block_hash_counts().contains(&(stored[1], 2)));
     assert_eq!(e.num_cached_blocks(), 3);
     assert_eq!(e.resident_block_hashes().len(), 2);
+}
+
+#[test]
+fn reset_with_running_requests_preempts_them_in_order() {
+    let mut e = engine(base());
+    e.submit(Request::new("a", prompt(0, 40), 10)).expect("ok");
+    e.submit(Request::new("b", prompt(100, 40), 10))
+        .expect("ok");
+    e.step();
+    assert!(!e.reset_prefix_cache());
+    assert!(e.reset_prefix_cache_with(true));
+    let s = e.stats();
+    assert_eq!((s.running, s.waiting, s.num_preemptions), (0, 2, 2));
+    assert!(e.resident_block_hashes().is_empty());
+    let next = e.step();
+    assert_eq!(next.events.first(), Some(&EngineKvEvent::AllBlocksCleared));
+    // Both are recomputed from scratch, in their original order.
+    let ids: Vec<&str> = next.outputs.iter().map(|o| o.id.as_str()).collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert!(next.outputs.iter().all(|o| !o.first_token));
+    drain(&mut e);
+    assert_eq!(e.stats().finished_length, 2);
+}
+
+#[test]
+fn per_request_report_mode_overrides_the_engine_default() {
+    let mut e = engine(base().emit_reused_stores(false));
+    run_one(&mut e, Request::new("a", prompt(0, 40), 1));
+    e.submit(Request {
+        report_reused_blocks: Some(true),
+        ..Request::new("b", prompt(0, 40), 1)
+    })
+    .expect("ok");
+    let evs = events(&drain(&mut e));
+    assert_eq!(stored_hashes(&evs).len(), 2, "{evs:?}");
 }

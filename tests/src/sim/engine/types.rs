@@ -22,6 +22,10 @@ pub struct Request {
     pub cache_salt: Option<String>,
     /// Keep generating past the eos token.
     pub ignore_eos: bool,
+    /// vLLM's per-request `kv_cache_report_mode` (`vllm_xargs`): `Some(true)` = "full"
+    /// (announce prefix-cache hits as `BlockStored`), `Some(false)` = "incremental", `None` =
+    /// the engine's [`super::EngineConfig::emit_reused_stores`].
+    pub report_reused_blocks: Option<bool>,
 }
 
 impl Request {
