@@ -48,6 +48,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                 protocol_version: v,
                 instance_id: id,
                 pod: PodIdentity {
+                    labels: [(name.clone(), url.clone())].into(),
                     name,
                     namespace: ns,
                     url,
