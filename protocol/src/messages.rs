@@ -63,6 +63,9 @@ pub struct Hello {
     pub tokenizer: Option<TokenizerInfo>,
     /// The sidecar's build, for logs and `/debug/pods`.
     pub sidecar_version: String,
+    /// Milliseconds between `Load` reports: a router treats the pod as stale (no traffic) after
+    /// three intervals without one.
+    pub load_interval_ms: u32,
 }
 
 /// Where the pod is.
