@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Independent reference for kvsight's tokenizer: token ids computed the way vLLM computes them,
+with Python `tokenizers` and `jinja2` configured as transformers configures them.
+
+Usage: check_tokenizer.py TOKENIZER_DIR [CASES_JSON]
+
+TOKENIZER_DIR holds tokenizer.json and (optionally) tokenizer_config.json. CASES_JSON (a file, or
+stdin when absent or "-") is a JSON list of cases, each either
+  {"prompt": "..."}                                      completion: add_special_tokens=True
+  {"messages": [...], "add_generation_prompt": true}     chat: render, then add_special_tokens=False
+Prints a JSON list with one {"text": rendered-or-prompt, "ids": [...]} per case.
+"""
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def token_content(value):
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' own tojson: json.dumps, not jinja2's HTML-safe filter.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def load_template(config):
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def conversation(messages):
+    """vLLM's string content format: text parts joined with newlines."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if content is None:
+            parts = []
+        elif isinstance(content, str):
+            parts = [content]
+        else:
+            parts = []
+            for part in content:
+                if isinstance(part, str):
+                    parts.append(part)
+                    continue
+                key = {
+                    "text": "text",
+                    "input_text": "text",
+                    "output_text": "text",
+                    "refusal": "refusal",
+                    "thinking": "thinking",
+                }[part["type"]]
+                if part.get(key) is not None:
+                    parts.append(part[key])
+        msg = {"role": message["role"], "content": "\n".join(parts)}
+        if isinstance(message.get("name"), str):
+            msg["name"] = message["name"]
+        out.append(msg)
+    return out
+
+
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 64
+    directory = Path(argv[1])
+    source = argv[2] if len(argv) > 2 else "-"
+    cases = json.load(sys.stdin if source == "-" else open(source, encoding="utf-8"))
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    # transformers switches truncation and padding off for calls that do not ask for them.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+    special = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = token_content(config.get(key))
+        if value is not None:
+            special[key] = value
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list) and extra:
+        special["additional_special_tokens"] = [token_content(t) for t in extra]
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    source_template = load_template(config)
+    template = env.from_string(source_template) if source_template else None
+
+    results = []
+    for case in cases:
+        if "prompt" in case:
+            text = case["prompt"]
+            ids = tokenizer.encode(text, add_special_tokens=True).ids
+        else:
+            if template is None:
+                raise SystemExit("tokenizer has no chat template")
+            text = template.render(
+                messages=conversation(case["messages"]),
+                tools=case.get("tools"),
+                documents=None,
+                add_generation_prompt=bool(case.get("add_generation_prompt", False)),
+                **special,
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+        results.append({"text": text, "ids": ids})
+    json.dump(results, sys.stdout, ensure_ascii=False)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
