@@ -203,6 +203,7 @@ impl ModelTokenizer {
             Some(Json::Array(items)) => items.iter().filter_map(token_content).collect(),
             _ => Vec::new(),
         };
+        apply_bos_eos_flags(&mut tokenizer, &config, &special_tokens)?;
         let template_source = config_chat_template(&config)?;
         let inputs = Inputs {
             tokenizer_json: tokenizer_json.to_vec(),
@@ -428,6 +429,66 @@ fn parse_config(bytes: &[u8]) -> Result<serde_json::Map<String, Json>, Tokenizer
         )),
         Err(e) => Err(TokenizerError::InvalidConfig(e.to_string())),
     }
+}
+
+/// transformers (v5 for every tokenizer, v4 for the Llama/Gemma family) rebuilds the
+/// post-processor from `add_bos_token` / `add_eos_token` when the config sets either, so those
+/// flags — not tokenizer.json's post-processor — decide whether a completion gets BOS/EOS.
+/// A missing flag counts as false, as in transformers v5; without either flag tokenizer.json's
+/// post-processor is kept.
+fn apply_bos_eos_flags(
+    tokenizer: &mut tokenizers::Tokenizer,
+    config: &serde_json::Map<String, Json>,
+    special_tokens: &BTreeMap<String, String>,
+) -> Result<(), TokenizerError> {
+    let flag = |key: &str| config.get(key).and_then(Json::as_bool);
+    let (add_bos, add_eos) = (flag("add_bos_token"), flag("add_eos_token"));
+    if add_bos.is_none() && add_eos.is_none() {
+        return Ok(());
+    }
+    // A flag without its token is dropped, as transformers v5 does.
+    let token =
+        |wanted: Option<bool>, key: &str| -> Result<Option<(String, u32)>, TokenizerError> {
+            let Some(content) = special_tokens.get(key).filter(|_| wanted == Some(true)) else {
+                return Ok(None);
+            };
+            match tokenizer.token_to_id(content) {
+                Some(id) => Ok(Some((content.clone(), id))),
+                None => Err(TokenizerError::InvalidConfig(format!(
+                    "{key} {content:?} is not in the vocabulary"
+                ))),
+            }
+        };
+    let bos = token(add_bos, "bos_token")?;
+    let eos = token(add_eos, "eos_token")?;
+    let piece = |t: &Option<(String, u32)>, type_id: u8| {
+        t.as_ref()
+            .map(|(content, _)| format!("{content}:{type_id}"))
+    };
+    let join =
+        |parts: Vec<Option<String>>| parts.into_iter().flatten().collect::<Vec<_>>().join(" ");
+    let single = join(vec![
+        piece(&bos, 0),
+        Some("$A:0".to_owned()),
+        piece(&eos, 0),
+    ]);
+    let pair = join(vec![
+        Some(single.clone()),
+        piece(&bos, 1),
+        Some("$B:1".to_owned()),
+        piece(&eos, 1),
+    ]);
+    let invalid = |e: String| TokenizerError::InvalidConfig(format!("bos/eos post-processor: {e}"));
+    let processor = tokenizers::processors::template::TemplateProcessing::builder()
+        .try_single(single)
+        .map_err(invalid)?
+        .try_pair(pair)
+        .map_err(invalid)?
+        .special_tokens(bos.into_iter().chain(eos).collect::<Vec<_>>())
+        .build()
+        .map_err(|e| invalid(e.to_string()))?;
+    tokenizer.with_post_processor(Some(processor));
+    Ok(())
 }
 
 /// A special token in tokenizer_config.json is a string or an `AddedToken` object.

@@ -348,3 +348,91 @@ fn tool_call_arguments_are_parsed_like_vllm() {
         "Oslo{\"city\": \"Oslo\"}{}"
     );
 }
+
+/// A word-level tokenizer with `<s>`/`</s>` and the given post-processor.
+fn with_post_processor(
+    post_processor: serde_json::Value,
+    config: serde_json::Value,
+) -> ModelTokenizer {
+    let json = serde_json::to_vec(&serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [
+            {"id": 3, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 4, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": post_processor,
+        "decoder": null,
+        "model": {
+            "type": "WordLevel",
+            "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4},
+            "unk_token": "[UNK]"
+        }
+    }))
+    .expect("json");
+    let config = serde_json::to_vec(&config).expect("json");
+    ModelTokenizer::from_bytes(&json, Some(&config)).expect("tokenizer")
+}
+
+#[test]
+fn add_bos_and_eos_flags_decide_the_completion_specials() {
+    let bos_processor = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [3], "tokens": ["<s>"]}}
+    });
+    let tokens = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>"});
+    let with_flags = |flags: serde_json::Value| {
+        let mut config = tokens.clone();
+        for (k, v) in flags.as_object().expect("object") {
+            config[k] = v.clone();
+        }
+        config
+    };
+
+    // No flags: tokenizer.json's post-processor decides.
+    let tok = with_post_processor(bos_processor.clone(), tokens.clone());
+    assert_eq!(
+        tok.encode_completion("hello world").expect("encode"),
+        [3, 1, 2]
+    );
+    let tok = with_post_processor(serde_json::Value::Null, tokens.clone());
+    assert_eq!(
+        tok.encode_completion("hello world").expect("encode"),
+        [1, 2]
+    );
+
+    // Explicit flags override it, as transformers rebuilds the post-processor.
+    let tok = with_post_processor(
+        bos_processor,
+        with_flags(serde_json::json!({"add_bos_token": false})),
+    );
+    assert_eq!(
+        tok.encode_completion("hello world").expect("encode"),
+        [1, 2]
+    );
+    let tok = with_post_processor(
+        serde_json::Value::Null,
+        with_flags(serde_json::json!({"add_bos_token": true, "add_eos_token": true})),
+    );
+    assert_eq!(
+        tok.encode_completion("hello world").expect("encode"),
+        [3, 1, 2, 4]
+    );
+    // Chat never adds them: the template writes what it wants.
+    assert_eq!(tok.encode("hello world", false).expect("encode"), [1, 2]);
+
+    // A flag naming a token that is not in the vocabulary is a config error.
+    let json = tiny_tokenizer_json();
+    let config =
+        serde_json::to_vec(&serde_json::json!({"bos_token": "<bos>", "add_bos_token": true}))
+            .expect("json");
+    assert!(matches!(
+        ModelTokenizer::from_bytes(&json, Some(&config)),
+        Err(TokenizerError::InvalidConfig(_))
+    ));
+}

@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -53,6 +53,20 @@ def raise_exception(message):
 
 def strftime_now(fmt):
     return datetime.now().strftime(fmt)
+
+
+def apply_bos_eos_flags(tokenizer, config, special):
+    """transformers rebuilds the post-processor when the config sets add_bos_token/add_eos_token."""
+    if "add_bos_token" not in config and "add_eos_token" not in config:
+        return
+    bos = special.get("bos_token") if config.get("add_bos_token") else None
+    eos = special.get("eos_token") if config.get("add_eos_token") else None
+    single = " ".join(p for p in (bos and f"{bos}:0", "$A:0", eos and f"{eos}:0") if p)
+    pair = " ".join(p for p in (single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if p)
+    specials = [(t, tokenizer.token_to_id(t)) for t in (bos, eos) if t]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
 
 
 def load_template(config):
@@ -113,6 +127,7 @@ def main(argv):
         value = token_content(config.get(key))
         if value is not None:
             special[key] = value
+    apply_bos_eos_flags(tokenizer, config, special)
     extra = config.get("additional_special_tokens")
     if isinstance(extra, list) and extra:
         special["additional_special_tokens"] = [token_content(t) for t in extra]
