@@ -675,23 +675,91 @@ fn normalize_tool_calls(mut calls: Json) -> Json {
     calls
 }
 
-/// jinja2 prints Python values: `True`, `False`, `None`; everything else as minijinja does.
+/// jinja2 prints Python values: `True`, `False`, `None`, and lists and dicts as Python's
+/// `repr` (`['a', 'b']`, `{'k': 1}`); strings and numbers as minijinja does.
 fn python_formatter(
     out: &mut minijinja::Output<'_>,
     state: &mut State<'_, '_>,
     value: &Value,
 ) -> Result<(), minijinja::Error> {
-    let text = match value.kind() {
-        ValueKind::Bool => Some(if value.is_true() { "True" } else { "False" }),
-        ValueKind::None => Some("None"),
-        _ => None,
-    };
-    match text {
-        Some(text) => out
-            .write_str(text)
-            .map_err(|e| minijinja::Error::new(ErrorKind::WriteFailure, e.to_string())),
-        None => minijinja::escape_formatter(out, state, value),
+    match value.kind() {
+        ValueKind::Bool | ValueKind::None | ValueKind::Seq | ValueKind::Map => {
+            let mut text = String::new();
+            python_repr(&mut text, value, 0)?;
+            out.write_str(&text)
+                .map_err(|e| minijinja::Error::new(ErrorKind::WriteFailure, e.to_string()))
+        }
+        _ => minijinja::escape_formatter(out, state, value),
     }
+}
+
+/// Nesting deeper than this is printed as `...` (Python prints recursive containers that way).
+const MAX_REPR_DEPTH: usize = 64;
+
+fn python_repr(out: &mut String, value: &Value, depth: usize) -> Result<(), minijinja::Error> {
+    if depth > MAX_REPR_DEPTH {
+        out.push_str("...");
+        return Ok(());
+    }
+    match value.kind() {
+        ValueKind::Undefined => {}
+        ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::String => python_str_repr(out, value.as_str().unwrap_or_default()),
+        ValueKind::Seq => {
+            out.push('[');
+            for (i, item) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(out, &item, depth + 1)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(out, &key, depth + 1)?;
+                out.push_str(": ");
+                python_repr(out, &value.get_item(&key)?, depth + 1)?;
+            }
+            out.push('}');
+        }
+        _ => {
+            let _ = write!(out, "{value}");
+        }
+    }
+    Ok(())
+}
+
+/// Python's `repr(str)`: single quotes unless the text has `'` and no `"`.
+fn python_str_repr(out: &mut String, s: &str) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
 }
 
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {

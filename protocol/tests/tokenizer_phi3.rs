@@ -246,6 +246,15 @@ fn template_environment_matches_transformers() {
         .expect("render"),
         "HI True None"
     );
+    // Lists and dicts print as Python reprs.
+    assert_eq!(
+        render(
+            r#"{{ ['a', "it's", 1, none, true, 2.5, 'x\ny'] }} {{ {'k': [1], 'b': 'q"'} }} {{ 4 / 2 }} {{ messages }}"#,
+            &none
+        )
+        .expect("render"),
+        r#"['a', "it's", 1, None, True, 2.5, 'x\ny'] {'k': [1], 'b': 'q"'} 2.0 [{'role': 'user', 'content': ' hi '}]"#
+    );
     // Loop controls.
     assert_eq!(
         render(
