@@ -2,12 +2,13 @@
 """Independent reference for kvsight's tokenizer: token ids computed the way vLLM computes them,
 with Python `tokenizers` and `jinja2` configured as transformers configures them.
 
-Usage: check_tokenizer.py TOKENIZER_DIR [CASES_JSON]
+Usage: check_tokenizer.py TOKENIZER_DIR [CASES_JSON [CHAT_TEMPLATE_FILE]]
 
 TOKENIZER_DIR holds tokenizer.json and (optionally) tokenizer_config.json. CASES_JSON (a file, or
 stdin when absent or "-") is a JSON list of cases, each either
   {"prompt": "..."}                                      completion: add_special_tokens=True
   {"messages": [...], "add_generation_prompt": true}     chat: render, then add_special_tokens=False
+CHAT_TEMPLATE_FILE replaces the config's chat template (like vLLM's --chat-template).
 Prints a JSON list with one {"text": rendered-or-prompt, "ids": [...]} per case.
 """
 
@@ -102,6 +103,25 @@ def conversation(messages):
                 if part.get(key) is not None:
                     parts.append(part[key])
         msg = {"role": message["role"], "content": "\n".join(parts)}
+        if message["role"] == "assistant":
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                calls = json.loads(json.dumps(calls))
+                for call in calls:
+                    args = call["function"].get("arguments")
+                    if isinstance(args, str):
+                        try:
+                            call["function"]["arguments"] = json.loads(args)
+                        except json.JSONDecodeError:
+                            call["function"]["arguments"] = {}
+                    elif not isinstance(args, (dict, list)):
+                        call["function"]["arguments"] = {}
+                msg["tool_calls"] = calls
+            if message.get("reasoning") is not None:
+                msg["reasoning"] = message["reasoning"]
+                msg["reasoning_content"] = message["reasoning"]
+        elif message["role"] == "tool" and "tool_call_id" in message:
+            msg["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
             msg["name"] = message["name"]
         out.append(msg)
@@ -115,6 +135,9 @@ def main(argv):
     directory = Path(argv[1])
     source = argv[2] if len(argv) > 2 else "-"
     cases = json.load(sys.stdin if source == "-" else open(source, encoding="utf-8"))
+    override = None
+    if len(argv) > 3:
+        override = Path(argv[3]).read_text(encoding="utf-8")
 
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     # transformers switches truncation and padding off for calls that do not ask for them.
@@ -138,7 +161,7 @@ def main(argv):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    source_template = load_template(config)
+    source_template = override if override is not None else load_template(config)
     template = env.from_string(source_template) if source_template else None
 
     results = []

@@ -59,10 +59,18 @@ fn cases() -> Value {
 }
 
 /// Runs the Python reference on `dir` and returns its `(text, ids)` per case.
-fn python_ids(python: &str, dir: &Path, cases: &Value) -> Vec<(String, Vec<u32>)> {
-    let mut child = Command::new(python)
-        .arg(SCRIPT)
-        .arg(dir)
+fn python_ids(
+    python: &str,
+    dir: &Path,
+    cases: &Value,
+    template: Option<&Path>,
+) -> Vec<(String, Vec<u32>)> {
+    let mut command = Command::new(python);
+    command.arg(SCRIPT).arg(dir);
+    if let Some(template) = template {
+        command.arg("-").arg(template);
+    }
+    let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -117,7 +125,10 @@ fn rust_ids(tok: &ModelTokenizer, cases: &Value) -> Vec<(String, Vec<u32>)> {
                 let messages: Vec<ChatMessage> =
                     serde_json::from_value(case["messages"].clone()).expect("messages");
                 let agp = case["add_generation_prompt"].as_bool().unwrap_or(false);
-                let extras = ChatExtras::default();
+                let extras = ChatExtras {
+                    tools: case["tools"].as_array().cloned(),
+                    ..ChatExtras::default()
+                };
                 let text = tok.render_chat(&messages, agp, &extras).expect("render");
                 let ids = tok.encode_chat(&messages, agp, &extras).expect("encode");
                 (text, ids)
@@ -133,9 +144,18 @@ fn load(dir: &Path) -> ModelTokenizer {
 }
 
 fn compare(dir: &Path, python: &str) {
-    let cases = cases();
-    let expected = python_ids(python, dir, &cases);
-    let actual = rust_ids(&load(dir), &cases);
+    compare_with(dir, python, &load(dir), &cases(), None);
+}
+
+fn compare_with(
+    dir: &Path,
+    python: &str,
+    tok: &ModelTokenizer,
+    cases: &Value,
+    template: Option<&Path>,
+) {
+    let expected = python_ids(python, dir, cases, template);
+    let actual = rust_ids(tok, cases);
     assert_eq!(expected.len(), actual.len());
     for (i, (py, rs)) in expected.iter().zip(&actual).enumerate() {
         assert_eq!(rs.0, py.0, "case {i}: rendered text differs");
@@ -165,4 +185,88 @@ fn phi3_matches_python() {
         return;
     }
     compare(&dir, &python);
+}
+
+/// A template of our own that exercises what real templates use (namespace, slicing, loop
+/// attributes, Python string methods, filters, tojson with and without indent, tool calls,
+/// printing of dicts and lists); minijinja must render it exactly as jinja2 does.
+const FEATURE_TEMPLATE: &str = r#"{%- set ns = namespace(system='', turns=0) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set ns.system = messages[0]['content'] | trim -%}
+  {%- set rest = messages[1:] -%}
+{%- else -%}
+  {%- set rest = messages -%}
+{%- endif -%}
+{{ bos_token }}
+{%- if tools is not none %}
+<|system|>
+{{ ns.system }}
+Tools:
+{% for tool in tools %}
+- {{ tool | tojson }}
+- {{ tool | tojson(indent=4) }}
+{% endfor %}
+<|end|>
+{%- elif ns.system %}
+<|system|>
+{{ ns.system }}<|end|>
+{%- endif %}
+{% for message in rest %}
+  {%- set ns.turns = ns.turns + 1 %}
+  {%- if message.role == 'user' %}
+<|user|>
+{{ message.content }}{% if loop.last %} ({{ loop.index }}/{{ loop.length }}, first={{ loop.first }}){% endif %}<|end|>
+  {%- elif message.role == 'assistant' %}
+<|assistant|>
+    {%- if message.tool_calls is defined %}
+      {%- for call in message.tool_calls %}
+{{ call.function.name }}({{ call.function.arguments | tojson }}) {{ call.function.arguments }}
+      {%- endfor %}
+    {%- else %}
+{{ message.content.strip() }}
+    {%- endif %}<|end|>
+  {%- elif message.role == 'tool' %}
+<|user|>
+[tool {{ message.tool_call_id }}] {{ message.content }}<|end|>
+  {%- else %}
+{{ raise_exception('bad role ' ~ message.role) }}
+  {%- endif %}
+{% endfor %}
+{%- if add_generation_prompt %}
+<|assistant|>
+{% endif %}
+turns={{ ns.turns }} {% for k, v in {'a': 1, 'b': [1, 2]}.items() %}{{ k }}={{ v }};{% endfor %}
+{{ 'Hello World'.split(' ') | join('|') }} {{ 'abc'.startswith('a') }} {{ 'x,y'.replace(',', ';') }} {{ [3, 1, 2] | sort | list }} {{ 'abc'[::-1] }} {{ 7 // 2 }} {{ 7 % 3 }} {{ 2 ** 3 }} {{ 'a' in 'cat' }} {{ messages | length }} {{ (messages | map(attribute='role') | list) }} {{ messages[-1].content | upper }} {{ 'x' if none is none }} {{ 1.5 * 2 }} {{ 10 / 4 }} {{ 'A b'.lower().title() }} {{ '  pad '.rstrip() }}|{{ ' pad '.lstrip() }}| {{ 'a-b-c'.split('-', 1) }} {{ messages[0].get('name', 'anon') }} {{ range(3) | list }} {{ 'é' | length }}
+"#;
+
+#[test]
+fn template_features_render_as_in_jinja2() {
+    let Some(python) = python("template_features_render_as_in_jinja2") else {
+        return;
+    };
+    let dir = own_tokenizer::ensure_dir().expect("own tokenizer");
+    let template_path = own_tokenizer::target_dir().join(format!(
+        "kvsight-feature-template-{}.jinja",
+        std::process::id()
+    ));
+    std::fs::write(&template_path, FEATURE_TEMPLATE).expect("write template");
+    let cases = json!([{
+        "messages": [
+            {"role": "system", "content": "  Be brief.  "},
+            {"role": "user", "content": "What's the weather in \"Oslo\"?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "weather",
+                    "arguments": "{\"city\": \"Oslo\", \"units\": [\"C\", 1, 2.5, true, null]}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+            {"role": "assistant", "content": "  It is 12 C.  "},
+            {"role": "user", "content": [{"type": "text", "text": "Thanks"}, {"type": "text", "text": "bye"}]}
+        ],
+        "add_generation_prompt": true,
+        "tools": [{"type": "function", "function": {"name": "weather",
+            "description": "Get <weather> & 'stuff'",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    }]);
+    let tok = load(&dir).with_chat_template(FEATURE_TEMPLATE);
+    compare_with(&dir, &python, &tok, &cases, Some(&template_path));
+    let _ = std::fs::remove_file(&template_path);
 }
