@@ -377,23 +377,40 @@ impl ModelTokenizer {
 
 impl Inputs {
     fn digest(&self) -> [u8; 32] {
-        // Length-prefixed fields with presence flags, so no two different input sets can
-        // produce the same byte stream.
-        let mut hasher = Sha256::new();
-        hasher.update(b"kvsight-tokenizer-v1\0");
-        let mut field = |bytes: Option<&[u8]>| match bytes {
-            Some(bytes) => {
-                hasher.update([1u8]);
-                hasher.update((bytes.len() as u64).to_le_bytes());
-                hasher.update(bytes);
-            }
-            None => hasher.update([0u8]),
-        };
-        field(Some(&self.tokenizer_json));
-        field(self.tokenizer_config_json.as_deref());
-        field(self.template_override.as_deref().map(str::as_bytes));
-        hasher.finalize().into()
+        tokenizer_digest(
+            &self.tokenizer_json,
+            self.tokenizer_config_json.as_deref(),
+            self.template_override.as_deref(),
+        )
     }
+}
+
+/// The digest [`ModelTokenizer::digest`] reports, computable from the files alone (a sidecar can
+/// announce it without building the tokenizer).
+///
+/// Layout hashed with sha256: the 21 bytes `kvsight-tokenizer-v1\0`, then for each of
+/// tokenizer.json, tokenizer_config.json and the template override either `0x00` (absent) or
+/// `0x01`, the length as u64 little-endian and the bytes. Length prefixes and presence flags make
+/// the encoding injective: different inputs never hash the same stream.
+pub fn tokenizer_digest(
+    tokenizer_json: &[u8],
+    tokenizer_config_json: Option<&[u8]>,
+    chat_template_override: Option<&str>,
+) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    hasher.update(b"kvsight-tokenizer-v1\0");
+    let mut field = |bytes: Option<&[u8]>| match bytes {
+        Some(bytes) => {
+            hasher.update([1u8]);
+            hasher.update((bytes.len() as u64).to_le_bytes());
+            hasher.update(bytes);
+        }
+        None => hasher.update([0u8]),
+    };
+    field(Some(tokenizer_json));
+    field(tokenizer_config_json);
+    field(chat_template_override.map(str::as_bytes));
+    hasher.finalize().into()
 }
 
 impl ChatTemplate {
@@ -1034,6 +1051,29 @@ fn render_error(err: &minijinja::Error) -> TokenizerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_tokenizer_can_be_shared_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ModelTokenizer>();
+    }
+
+    #[test]
+    fn digest_layout_is_injective_on_field_boundaries() {
+        // Moving bytes between fields must change the digest.
+        assert_ne!(
+            tokenizer_digest(b"ab", Some(b"c"), None),
+            tokenizer_digest(b"a", Some(b"bc"), None)
+        );
+        assert_ne!(
+            tokenizer_digest(b"a", None, None),
+            tokenizer_digest(b"a", Some(b""), None)
+        );
+        assert_ne!(
+            tokenizer_digest(b"a", None, Some("")),
+            tokenizer_digest(b"a", None, None)
+        );
+    }
 
     #[test]
     fn civil_dates() {

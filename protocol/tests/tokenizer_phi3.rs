@@ -110,6 +110,14 @@ fn phi3_digest_identifies_the_inputs() {
     let again = phi3("phi3_digest_identifies_the_inputs").expect("present");
     assert_eq!(tok.digest(), again.digest());
     assert_eq!(tok.digest_hex().len(), 64);
+    let json = std::fs::read(PathBuf::from(PHI3_DIR).join("tokenizer.json")).expect("read");
+    let config =
+        std::fs::read(PathBuf::from(PHI3_DIR).join("tokenizer_config.json")).expect("read");
+    assert_eq!(
+        tok.digest(),
+        kvsight_protocol::tokenizer::tokenizer_digest(&json, Some(&config), None),
+        "the files alone give the same digest"
+    );
     let overridden = again.with_chat_template("{{ messages[0]['content'] }}");
     assert_ne!(tok.digest(), overridden.digest());
     assert_eq!(
