@@ -203,6 +203,12 @@ impl ModelTokenizer {
             Some(Json::Array(items)) => items.iter().filter_map(token_content).collect(),
             _ => Vec::new(),
         };
+        register_config_tokens(
+            &mut tokenizer,
+            &config,
+            &special_tokens,
+            &additional_special_tokens,
+        )?;
         apply_bos_eos_flags(&mut tokenizer, &config, &special_tokens)?;
         let template_source = config_chat_template(&config)?;
         let inputs = Inputs {
@@ -446,6 +452,58 @@ fn parse_config(bytes: &[u8]) -> Result<serde_json::Map<String, Json>, Tokenizer
         )),
         Err(e) => Err(TokenizerError::InvalidConfig(e.to_string())),
     }
+}
+
+/// transformers adds the config's `added_tokens_decoder` entries and its special tokens to the
+/// tokenizer when tokenizer.json lacks them, which makes them atomic in text (and appends a new
+/// id for a token the vocabulary does not have). Doing the same keeps such configs' ids equal.
+fn register_config_tokens(
+    tokenizer: &mut tokenizers::Tokenizer,
+    config: &serde_json::Map<String, Json>,
+    special_tokens: &BTreeMap<String, String>,
+    additional_special_tokens: &[String],
+) -> Result<(), TokenizerError> {
+    let mut known: std::collections::HashSet<String> = tokenizer
+        .get_added_tokens_decoder()
+        .into_values()
+        .map(|t| t.content)
+        .collect();
+    let mut to_add = Vec::new();
+    if let Some(Json::Object(decoder)) = config.get("added_tokens_decoder") {
+        let mut entries: Vec<(u64, &serde_json::Map<String, Json>)> = decoder
+            .iter()
+            .filter_map(|(id, entry)| Some((id.parse().ok()?, entry.as_object()?)))
+            .collect();
+        entries.sort_by_key(|(id, _)| *id);
+        for (_, entry) in entries {
+            let Some(content) = entry.get("content").and_then(Json::as_str) else {
+                continue;
+            };
+            if !known.insert(content.to_owned()) {
+                continue;
+            }
+            let flag = |key: &str| entry.get(key).and_then(Json::as_bool);
+            let special = flag("special").unwrap_or(false);
+            to_add.push(
+                tokenizers::AddedToken::from(content, special)
+                    .single_word(flag("single_word").unwrap_or(false))
+                    .lstrip(flag("lstrip").unwrap_or(false))
+                    .rstrip(flag("rstrip").unwrap_or(false))
+                    .normalized(flag("normalized").unwrap_or(!special)),
+            );
+        }
+    }
+    for content in special_tokens.values().chain(additional_special_tokens) {
+        if known.insert(content.clone()) {
+            to_add.push(tokenizers::AddedToken::from(content.as_str(), true));
+        }
+    }
+    if !to_add.is_empty() {
+        tokenizer
+            .add_tokens(to_add)
+            .map_err(|e| TokenizerError::InvalidConfig(format!("adding config tokens: {e}")))?;
+    }
+    Ok(())
 }
 
 /// transformers (v5 for every tokenizer, v4 for the Llama/Gemma family) rebuilds the

@@ -443,13 +443,51 @@ fn add_bos_and_eos_flags_decide_the_completion_specials() {
     // Chat never adds them: the template writes what it wants.
     assert_eq!(tok.encode("hello world", false).expect("encode"), [1, 2]);
 
-    // A flag naming a token that is not in the vocabulary is a config error.
+    // A BOS the vocabulary lacks is added first (as transformers does), then used.
     let json = tiny_tokenizer_json();
     let config =
         serde_json::to_vec(&serde_json::json!({"bos_token": "<bos>", "add_bos_token": true}))
             .expect("json");
-    assert!(matches!(
-        ModelTokenizer::from_bytes(&json, Some(&config)),
-        Err(TokenizerError::InvalidConfig(_))
-    ));
+    let tok = ModelTokenizer::from_bytes(&json, Some(&config)).expect("tokenizer");
+    assert_eq!(tok.encode_completion("hello").expect("encode"), [3, 1]);
+}
+
+#[test]
+fn config_special_tokens_become_atomic_as_in_transformers() {
+    // "<x>" is in the vocabulary but not an added token; the Whitespace pre-tokenizer would
+    // split it into "<", "x", ">" — unless the config's special tokens are registered.
+    let json = serde_json::to_vec(&serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {
+            "type": "WordLevel",
+            "vocab": {"[UNK]": 0, "hello": 1, "<x>": 2, "<": 3, ">": 4},
+            "unk_token": "[UNK]"
+        }
+    }))
+    .expect("json");
+    let plain = ModelTokenizer::from_bytes(&json, None).expect("tokenizer");
+    assert_eq!(
+        plain.encode("hello<x>", false).expect("encode"),
+        [1, 3, 0, 4]
+    );
+
+    let config = serde_json::to_vec(&serde_json::json!({
+        "additional_special_tokens": ["<x>"],
+        "eos_token": "<new>",
+        "added_tokens_decoder": {"9": {"content": "<tool>", "special": true}}
+    }))
+    .expect("json");
+    let tok = ModelTokenizer::from_bytes(&json, Some(&config)).expect("tokenizer");
+    assert_eq!(tok.encode("hello<x>", false).expect("encode"), [1, 2]);
+    // Tokens the vocabulary lacks get new ids after it, config decoder entries first.
+    assert_eq!(tok.token_to_id("<tool>"), Some(5));
+    assert_eq!(tok.token_to_id("<new>"), Some(6));
+    assert_eq!(tok.encode("<new>hello", false).expect("encode"), [6, 1]);
 }

@@ -20,7 +20,7 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import Tokenizer, processors
+from tokenizers import AddedToken, Tokenizer, processors
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -54,6 +54,35 @@ def raise_exception(message):
 
 def strftime_now(fmt):
     return datetime.now().strftime(fmt)
+
+
+def register_config_tokens(tokenizer, config, special):
+    """transformers adds added_tokens_decoder entries and special tokens tokenizer.json lacks."""
+    known = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    to_add = []
+    decoder = config.get("added_tokens_decoder") or {}
+    for _, entry in sorted(((int(k), v) for k, v in decoder.items()), key=lambda kv: kv[0]):
+        if entry["content"] in known:
+            continue
+        known.add(entry["content"])
+        is_special = bool(entry.get("special", False))
+        to_add.append(
+            AddedToken(
+                entry["content"],
+                single_word=bool(entry.get("single_word", False)),
+                lstrip=bool(entry.get("lstrip", False)),
+                rstrip=bool(entry.get("rstrip", False)),
+                normalized=bool(entry.get("normalized", not is_special)),
+                special=is_special,
+            )
+        )
+    named = [v for k, v in special.items() if k != "additional_special_tokens"]
+    for content in named + list(special.get("additional_special_tokens", [])):
+        if content not in known:
+            known.add(content)
+            to_add.append(AddedToken(content, special=True, normalized=False))
+    if to_add:
+        tokenizer.add_tokens(to_add)
 
 
 def apply_bos_eos_flags(tokenizer, config, special):
@@ -150,10 +179,11 @@ def main(argv):
         value = token_content(config.get(key))
         if value is not None:
             special[key] = value
-    apply_bos_eos_flags(tokenizer, config, special)
     extra = config.get("additional_special_tokens")
     if isinstance(extra, list) and extra:
         special["additional_special_tokens"] = [token_content(t) for t in extra]
+    register_config_tokens(tokenizer, config, special)
+    apply_bos_eos_flags(tokenizer, config, special)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
