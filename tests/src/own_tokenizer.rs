@@ -68,6 +68,9 @@ pub enum OwnTokenizerError {
     /// The `tokenizers` crate failed to build, train or serialize.
     #[error("training the own tokenizer failed: {0}")]
     Train(String),
+    /// The cached files do not load as a [`kvsight_protocol::tokenizer::ModelTokenizer`].
+    #[error("loading the own tokenizer failed: {0}")]
+    Load(#[from] kvsight_protocol::tokenizer::TokenizerError),
 }
 
 /// The two files that make up the own tokenizer.
@@ -797,6 +800,8 @@ pub fn load() -> Result<kvsight_protocol::tokenizer::ModelTokenizer, OwnTokenize
     };
     let tokenizer_json = read("tokenizer.json")?;
     let config = read("tokenizer_config.json")?;
-    kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(&tokenizer_json, Some(&config))
-        .map_err(train_err)
+    Ok(kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(
+        &tokenizer_json,
+        Some(&config),
+    )?)
 }
