@@ -25,7 +25,7 @@ use config::{
     SPECIAL_TOKEN_KEYS, apply_bos_eos_flags, config_chat_template, parse_config,
     register_config_tokens, token_content,
 };
-use conversation::conversation;
+use conversation::{conversation, cut_after_final_message};
 use template::ChatTemplate;
 
 /// Everything that can go wrong building a tokenizer or rendering and encoding a prompt.
@@ -57,6 +57,9 @@ pub enum TokenizerError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The request's options contradict each other or the template (vLLM answers 400).
+    #[error("invalid chat request: {0}")]
+    InvalidRequest(String),
     /// The `tokenizers` crate refused to encode or decode.
     #[error("tokenization failed: {0}")]
     Encode(String),
@@ -131,6 +134,9 @@ pub struct ChatExtras {
     /// Extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`); they override
     /// the special tokens but not `messages`, `tools`, `documents` or `add_generation_prompt`.
     pub template_kwargs: serde_json::Map<String, Json>,
+    /// vLLM's `continue_final_message`: the last message is left open so generation continues
+    /// it — the rendered text is cut right after that message's content, as transformers does.
+    pub continue_final_message: bool,
 }
 
 /// A model's tokenizer and chat template, producing vLLM's token ids.
@@ -304,6 +310,11 @@ impl ModelTokenizer {
         add_generation_prompt: bool,
         extras: &ChatExtras,
     ) -> Result<String, TokenizerError> {
+        if add_generation_prompt && extras.continue_final_message {
+            return Err(TokenizerError::InvalidRequest(
+                "cannot set both `continue_final_message` and `add_generation_prompt`".to_owned(),
+            ));
+        }
         let template = self.template.as_ref().map_err(Clone::clone)?;
         let format = match self.content_format {
             ContentFormat::Auto => template.content_format,
@@ -324,7 +335,7 @@ impl ModelTokenizer {
         for (key, value) in &extras.template_kwargs {
             ctx.insert(key.clone(), value.clone());
         }
-        ctx.insert("messages".to_owned(), Json::Array(conversation));
+        ctx.insert("messages".to_owned(), Json::Array(conversation.clone()));
         ctx.insert(
             "tools".to_owned(),
             extras.tools.clone().map_or(Json::Null, Json::Array),
@@ -338,7 +349,12 @@ impl ModelTokenizer {
             Json::Bool(add_generation_prompt),
         );
 
-        template.render(Json::Object(ctx))
+        let rendered = template.render(Json::Object(ctx))?;
+        if extras.continue_final_message {
+            cut_after_final_message(rendered, messages.len(), &conversation)
+        } else {
+            Ok(rendered)
+        }
     }
 
     /// Renders a chat request and encodes it with `add_special_tokens=false`, as vLLM does:

@@ -491,3 +491,44 @@ fn config_special_tokens_become_atomic_as_in_transformers() {
     assert_eq!(tok.token_to_id("<new>"), Some(6));
     assert_eq!(tok.encode("<new>hello", false).expect("encode"), [6, 1]);
 }
+
+#[test]
+fn continue_final_message_cuts_after_the_last_content() {
+    let tok = tiny(serde_json::json!({}))
+        .expect("tokenizer")
+        .with_chat_template(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</end>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        );
+    let extras = ChatExtras {
+        continue_final_message: true,
+        ..ChatExtras::default()
+    };
+    let msgs = |last: &str| {
+        vec![
+            ChatMessage::new("user", "hi"),
+            ChatMessage::new("assistant", last),
+        ]
+    };
+    assert_eq!(
+        tok.render_chat(&msgs("The answer is"), false, &extras)
+            .expect("render"),
+        "<user>hi</end><assistant>The answer is"
+    );
+    // The template trimmed the trailing space, so the cut follows the stripped content.
+    assert_eq!(
+        tok.render_chat(&msgs("The answer is "), false, &extras)
+            .expect("render"),
+        "<user>hi</end><assistant>The answer is"
+    );
+    assert!(matches!(
+        tok.render_chat(&msgs("x"), true, &extras),
+        Err(TokenizerError::InvalidRequest(_))
+    ));
+    let hidden = tok
+        .clone()
+        .with_chat_template("{% for m in messages %}<{{ m.role }}>{% endfor %}");
+    assert!(matches!(
+        hidden.render_chat(&msgs("gone"), false, &extras),
+        Err(TokenizerError::InvalidMessage { index: 1, .. })
+    ));
+}

@@ -155,6 +155,52 @@ fn normalize_tool_calls(mut calls: Json) -> Json {
     calls
 }
 
+/// transformers' `continue_final_message`: keep the rendered text up to the end of the last
+/// message's content (the last text part for list content), so the model continues it. Like
+/// transformers, it looks for the whitespace-stripped content and keeps trailing whitespace only
+/// when the template kept it.
+pub(super) fn cut_after_final_message(
+    rendered: String,
+    message_count: usize,
+    conversation: &[Json],
+) -> Result<String, TokenizerError> {
+    let missing = |reason: &str| TokenizerError::InvalidRequest(reason.to_owned());
+    let last = conversation
+        .last()
+        .ok_or_else(|| missing("continue_final_message needs at least one message"))?;
+    let final_text = match last.get("content") {
+        Some(Json::String(s)) => s.as_str(),
+        Some(Json::Array(parts)) => parts
+            .iter()
+            .rev()
+            .find_map(|p| p.get("text").and_then(Json::as_str))
+            .ok_or_else(|| missing("continue_final_message found no text to continue"))?,
+        _ => return Err(missing("continue_final_message found no text to continue")),
+    };
+    let stripped = final_text.trim();
+    let Some(at) = rendered.rfind(stripped) else {
+        return Err(TokenizerError::InvalidMessage {
+            index: message_count.saturating_sub(1),
+            reason: "continue_final_message is set but the final message does not appear in the \
+                     rendered chat"
+                .to_owned(),
+        });
+    };
+    // transformers compares `len(content.lstrip())` bytes with the whole content: only content
+    // without leading whitespace, rendered verbatim, keeps its trailing whitespace.
+    let left_stripped = final_text.trim_start();
+    let verbatim =
+        left_stripped.len() == final_text.len() && rendered[at..].starts_with(final_text);
+    let end = if verbatim {
+        at + left_stripped.len()
+    } else {
+        at + stripped.len()
+    };
+    let mut rendered = rendered;
+    rendered.truncate(end);
+    Ok(rendered)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
