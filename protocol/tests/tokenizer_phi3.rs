@@ -395,61 +395,77 @@ fn with_post_processor(
 }
 
 #[test]
-fn add_bos_and_eos_flags_decide_the_completion_specials() {
+fn llama_family_flags_decide_the_completion_specials() {
+    // transformers 4.x (what vLLM pins) rebuilds the post-processor for Llama-family classes
+    // from add_bos_token (default true) / add_eos_token (default false), and only for them.
     let bos_processor = serde_json::json!({
         "type": "TemplateProcessing",
         "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
         "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {"<s>": {"id": "<s>", "ids": [3], "tokens": ["<s>"]}}
     });
-    let tokens = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>"});
-    let with_flags = |flags: serde_json::Value| {
-        let mut config = tokens.clone();
-        for (k, v) in flags.as_object().expect("object") {
+    let config = |extra: serde_json::Value| {
+        let mut config = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>"});
+        for (k, v) in extra.as_object().expect("object") {
             config[k] = v.clone();
         }
         config
     };
+    let ids = |post: &serde_json::Value, extra: serde_json::Value| {
+        with_post_processor(post.clone(), config(extra))
+            .encode_completion("hello world")
+            .expect("encode")
+    };
+    let null = serde_json::Value::Null;
 
-    // No flags: tokenizer.json's post-processor decides.
-    let tok = with_post_processor(bos_processor.clone(), tokens.clone());
+    // Not a rebuilding class: tokenizer.json decides, flags are ignored.
+    assert_eq!(ids(&bos_processor, serde_json::json!({})), [3, 1, 2]);
+    assert_eq!(ids(&null, serde_json::json!({})), [1, 2]);
     assert_eq!(
-        tok.encode_completion("hello world").expect("encode"),
+        ids(
+            &null,
+            serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": true})
+        ),
+        [1, 2]
+    );
+    // Llama: BOS by default even when tokenizer.json adds none ...
+    assert_eq!(
+        ids(
+            &null,
+            serde_json::json!({"tokenizer_class": "LlamaTokenizer"})
+        ),
         [3, 1, 2]
     );
-    let tok = with_post_processor(serde_json::Value::Null, tokens.clone());
+    // ... none when the config says so, whatever tokenizer.json says ...
     assert_eq!(
-        tok.encode_completion("hello world").expect("encode"),
+        ids(
+            &bos_processor,
+            serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": false})
+        ),
         [1, 2]
     );
-
-    // Explicit flags override it, as transformers rebuilds the post-processor.
-    let tok = with_post_processor(
-        bos_processor,
-        with_flags(serde_json::json!({"add_bos_token": false})),
-    );
+    // ... and EOS too when asked.
     assert_eq!(
-        tok.encode_completion("hello world").expect("encode"),
-        [1, 2]
-    );
-    let tok = with_post_processor(
-        serde_json::Value::Null,
-        with_flags(serde_json::json!({"add_bos_token": true, "add_eos_token": true})),
-    );
-    assert_eq!(
-        tok.encode_completion("hello world").expect("encode"),
+        ids(
+            &null,
+            serde_json::json!({"tokenizer_class": "GemmaTokenizer", "add_eos_token": true})
+        ),
         [3, 1, 2, 4]
     );
+    // GPT-NeoX defaults to neither.
+    assert_eq!(
+        ids(
+            &bos_processor,
+            serde_json::json!({"tokenizer_class": "GPTNeoXTokenizerFast"})
+        ),
+        [1, 2]
+    );
     // Chat never adds them: the template writes what it wants.
+    let tok = with_post_processor(
+        null.clone(),
+        config(serde_json::json!({"tokenizer_class": "LlamaTokenizer"})),
+    );
     assert_eq!(tok.encode("hello world", false).expect("encode"), [1, 2]);
-
-    // A BOS the vocabulary lacks is added first (as transformers does), then used.
-    let json = tiny_tokenizer_json();
-    let config =
-        serde_json::to_vec(&serde_json::json!({"bos_token": "<bos>", "add_bos_token": true}))
-            .expect("json");
-    let tok = ModelTokenizer::from_bytes(&json, Some(&config)).expect("tokenizer");
-    assert_eq!(tok.encode_completion("hello").expect("encode"), [3, 1]);
 }
 
 #[test]

@@ -8,6 +8,7 @@ TOKENIZER_DIR holds tokenizer.json and (optionally) tokenizer_config.json. CASES
 stdin when absent or "-") is a JSON list of cases, each either
   {"prompt": "..."}                                      completion: add_special_tokens=True
   {"messages": [...], "add_generation_prompt": true}     chat: render, then add_special_tokens=False
+  (optional "tools": [...], "continue_final_message": true)
 CHAT_TEMPLATE_FILE replaces the config's chat template (like vLLM's --chat-template).
 Prints a JSON list with one {"text": rendered-or-prompt, "ids": [...]} per case.
 """
@@ -85,12 +86,24 @@ def register_config_tokens(tokenizer, config, special):
         tokenizer.add_tokens(to_add)
 
 
+REBUILDING_CLASSES = {
+    "LlamaTokenizer": (True, False),
+    "CodeLlamaTokenizer": (True, False),
+    "GemmaTokenizer": (True, False),
+    "CohereTokenizer": (True, False),
+    "GPTNeoXTokenizer": (False, False),
+}
+
+
 def apply_bos_eos_flags(tokenizer, config, special):
-    """transformers rebuilds the post-processor when the config sets add_bos_token/add_eos_token."""
-    if "add_bos_token" not in config and "add_eos_token" not in config:
+    """transformers 4.x: Llama-family classes rebuild the post-processor from the flags."""
+    cls = config.get("tokenizer_class") or ""
+    cls = cls[: -len("Fast")] if cls.endswith("Fast") else cls
+    if cls not in REBUILDING_CLASSES:
         return
-    bos = special.get("bos_token") if config.get("add_bos_token") else None
-    eos = special.get("eos_token") if config.get("add_eos_token") else None
+    default_bos, default_eos = REBUILDING_CLASSES[cls]
+    bos = special.get("bos_token") if config.get("add_bos_token", default_bos) else None
+    eos = special.get("eos_token") if config.get("add_eos_token", default_eos) else None
     single = " ".join(p for p in (bos and f"{bos}:0", "$A:0", eos and f"{eos}:0") if p)
     pair = " ".join(p for p in (single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if p)
     specials = [(t, tokenizer.token_to_id(t)) for t in (bos, eos) if t]
@@ -157,6 +170,16 @@ def conversation(messages):
     return out
 
 
+def cut_after_final_message(text, final):
+    """transformers' continue_final_message: cut after the last message's content."""
+    if isinstance(final, list):
+        final = next(p["text"] for p in reversed(final) if "text" in p)
+    at = text.rindex(final.strip())
+    if text[at : at + len(final.lstrip())] == final:
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]
+
+
 def main(argv):
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
@@ -209,6 +232,8 @@ def main(argv):
                 add_generation_prompt=bool(case.get("add_generation_prompt", False)),
                 **special,
             )
+            if case.get("continue_final_message"):
+                text = cut_after_final_message(text, conversation(case["messages"])[-1]["content"])
             ids = tokenizer.encode(text, add_special_tokens=False).ids
         results.append({"text": text, "ids": ids})
     json.dump(results, sys.stdout, ensure_ascii=False)

@@ -54,7 +54,11 @@ fn cases() -> Value {
             ]},
             {"role": "assistant", "content": "Noted.\n"},
             {"role": "user", "content": "Thanks 🙂"}
-        ], "add_generation_prompt": false}
+        ], "add_generation_prompt": false},
+        {"messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "The answer is "}
+        ], "continue_final_message": true}
     ])
 }
 
@@ -127,6 +131,9 @@ fn rust_ids(tok: &ModelTokenizer, cases: &Value) -> Vec<(String, Vec<u32>)> {
                 let agp = case["add_generation_prompt"].as_bool().unwrap_or(false);
                 let extras = ChatExtras {
                     tools: case["tools"].as_array().cloned(),
+                    continue_final_message: case["continue_final_message"]
+                        .as_bool()
+                        .unwrap_or(false),
                     ..ChatExtras::default()
                 };
                 let text = tok.render_chat(&messages, agp, &extras).expect("render");

@@ -82,36 +82,54 @@ pub(super) fn register_config_tokens(
     Ok(())
 }
 
-/// transformers (v5 for every tokenizer, v4 for the Llama/Gemma family) rebuilds the
-/// post-processor from `add_bos_token` / `add_eos_token` when the config sets either, so those
-/// flags — not tokenizer.json's post-processor — decide whether a completion gets BOS/EOS.
-/// A missing flag counts as false, as in transformers v5; without either flag tokenizer.json's
-/// post-processor is kept.
+/// Tokenizer classes whose transformers 4.x fast tokenizer rebuilds the post-processor from
+/// `add_bos_token` / `add_eos_token` when it loads, with the class's defaults for absent flags.
+/// vLLM pins transformers < 5, so these rules (not v5's) are the ones it tokenizes with.
+const REBUILDING_CLASSES: [(&str, bool, bool); 5] = [
+    ("LlamaTokenizer", true, false),
+    ("CodeLlamaTokenizer", true, false),
+    ("GemmaTokenizer", true, false),
+    ("CohereTokenizer", true, false),
+    ("GPTNeoXTokenizer", false, false),
+];
+
+/// For the classes above, the `add_bos_token` / `add_eos_token` flags (or the class defaults) —
+/// not tokenizer.json's post-processor — decide whether a completion gets BOS/EOS; e.g. a
+/// Llama tokenizer whose config omits `add_bos_token` gets a BOS even if tokenizer.json adds
+/// none. Other classes keep tokenizer.json's post-processor whatever the flags say.
 pub(super) fn apply_bos_eos_flags(
     tokenizer: &mut tokenizers::Tokenizer,
     config: &serde_json::Map<String, Json>,
     special_tokens: &BTreeMap<String, String>,
 ) -> Result<(), TokenizerError> {
-    let flag = |key: &str| config.get(key).and_then(Json::as_bool);
-    let (add_bos, add_eos) = (flag("add_bos_token"), flag("add_eos_token"));
-    if add_bos.is_none() && add_eos.is_none() {
+    let class = config
+        .get("tokenizer_class")
+        .and_then(Json::as_str)
+        .unwrap_or_default();
+    let class = class.strip_suffix("Fast").unwrap_or(class);
+    let Some(&(_, default_bos, default_eos)) = REBUILDING_CLASSES
+        .iter()
+        .find(|(name, _, _)| *name == class)
+    else {
         return Ok(());
-    }
-    // A flag without its token is dropped, as transformers v5 does.
-    let token =
-        |wanted: Option<bool>, key: &str| -> Result<Option<(String, u32)>, TokenizerError> {
-            let Some(content) = special_tokens.get(key).filter(|_| wanted == Some(true)) else {
-                return Ok(None);
-            };
-            match tokenizer.token_to_id(content) {
-                Some(id) => Ok(Some((content.clone(), id))),
-                None => Err(TokenizerError::InvalidConfig(format!(
-                    "{key} {content:?} is not in the vocabulary"
-                ))),
-            }
+    };
+    let flag =
+        |key: &str, default: bool| config.get(key).and_then(Json::as_bool).unwrap_or(default);
+    // A flag whose token the config does not name adds nothing (transformers would fall back to
+    // the class's default token text; configs in practice always name them).
+    let token = |wanted: bool, key: &str| -> Result<Option<(String, u32)>, TokenizerError> {
+        let Some(content) = special_tokens.get(key).filter(|_| wanted) else {
+            return Ok(None);
         };
-    let bos = token(add_bos, "bos_token")?;
-    let eos = token(add_eos, "eos_token")?;
+        match tokenizer.token_to_id(content) {
+            Some(id) => Ok(Some((content.clone(), id))),
+            None => Err(TokenizerError::InvalidConfig(format!(
+                "{key} {content:?} is not in the vocabulary"
+            ))),
+        }
+    };
+    let bos = token(flag("add_bos_token", default_bos), "bos_token")?;
+    let eos = token(flag("add_eos_token", default_eos), "eos_token")?;
     let piece = |t: &Option<(String, u32)>, type_id: u8| {
         t.as_ref()
             .map(|(content, _)| format!("{content}:{type_id}"))
