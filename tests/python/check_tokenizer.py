@@ -2,13 +2,15 @@
 """Independent reference for kvsight's tokenizer: token ids computed the way vLLM computes them,
 with Python `tokenizers` and `jinja2` configured as transformers configures them.
 
-Usage: check_tokenizer.py TOKENIZER_DIR [CASES_JSON [CHAT_TEMPLATE_FILE]]
+Usage: check_tokenizer.py [--transformers] TOKENIZER_DIR [CASES_JSON [CHAT_TEMPLATE_FILE]]
 
 TOKENIZER_DIR holds tokenizer.json and (optionally) tokenizer_config.json. CASES_JSON (a file, or
 stdin when absent or "-") is a JSON list of cases, each either
   {"prompt": "..."}                                      completion: add_special_tokens=True
   {"messages": [...], "add_generation_prompt": true}     chat: render, then add_special_tokens=False
   (optional "tools": [...], "continue_final_message": true)
+With --transformers the ids come from transformers' AutoTokenizer and apply_chat_template
+(vLLM's own path; vLLM pins transformers < 5) instead of the re-implementation below.
 CHAT_TEMPLATE_FILE replaces the config's chat template (like vLLM's --chat-template).
 Prints a JSON list with one {"text": rendered-or-prompt, "ids": [...]} per case.
 """
@@ -180,7 +182,36 @@ def cut_after_final_message(text, final):
     return text[: at + len(final.strip())]
 
 
+def with_transformers(directory, cases, override):
+    """vLLM's own path: AutoTokenizer + apply_chat_template (after vLLM's message parsing)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    results = []
+    for case in cases:
+        if "prompt" in case:
+            text = case["prompt"]
+            ids = tok.encode(text, add_special_tokens=True)
+        else:
+            kwargs = {}
+            if case.get("continue_final_message"):
+                kwargs["continue_final_message"] = True
+            text = tok.apply_chat_template(
+                conversation(case["messages"]),
+                tools=case.get("tools"),
+                chat_template=override,
+                add_generation_prompt=bool(case.get("add_generation_prompt", False)),
+                tokenize=False,
+                **kwargs,
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+        results.append({"text": text, "ids": list(ids)})
+    return results
+
+
 def main(argv):
+    use_transformers = "--transformers" in argv
+    argv = [a for a in argv if a != "--transformers"]
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 64
@@ -190,6 +221,10 @@ def main(argv):
     override = None
     if len(argv) > 3:
         override = Path(argv[3]).read_text(encoding="utf-8")
+    if use_transformers:
+        json.dump(with_transformers(directory, cases, override), sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+        return 0
 
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     # transformers switches truncation and padding off for calls that do not ask for them.

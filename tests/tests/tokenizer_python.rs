@@ -2,6 +2,8 @@
 //! Python `tokenizers` package and `jinja2` (configured as transformers configures it), and they
 //! must equal the Rust ids, for the project's own tokenizer and for Phi-3. Needs
 //! `$KVSIGHT_PYTHON` (a venv python with `tokenizers` and `jinja2`; `cargo xtask ci` makes it).
+//! When that python also has transformers 4.x (vLLM's pin), the ids are also checked against
+//! transformers' own `apply_chat_template` + `encode`, vLLM's actual path.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -68,9 +70,14 @@ fn python_ids(
     dir: &Path,
     cases: &Value,
     template: Option<&Path>,
+    reference: Reference,
 ) -> Vec<(String, Vec<u32>)> {
     let mut command = Command::new(python);
-    command.arg(SCRIPT).arg(dir);
+    command.arg(SCRIPT);
+    if reference == Reference::Transformers {
+        command.arg("--transformers");
+    }
+    command.arg(dir);
     if let Some(template) = template {
         command.arg("-").arg(template);
     }
@@ -150,8 +157,33 @@ fn load(dir: &Path) -> ModelTokenizer {
     ModelTokenizer::from_bytes(&json, Some(&config)).expect("tokenizer")
 }
 
-fn compare(dir: &Path, python: &str) {
-    compare_with(dir, python, &load(dir), &cases(), None);
+/// Which Python computes the expected ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reference {
+    /// `tokenizers` + `jinja2`, re-implementing transformers' rules (always available in CI).
+    Reimplementation,
+    /// transformers itself (`AutoTokenizer`, `apply_chat_template`), when installed.
+    Transformers,
+}
+
+/// `$KVSIGHT_PYTHON` if it can import transformers 4.x (vLLM pins `< 5`), else prints why not.
+fn python_with_transformers(test: &str) -> Option<String> {
+    let python = python(test)?;
+    let output = Command::new(&python)
+        .args(["-c", "import transformers; print(transformers.__version__)"])
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let version = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if !output.status.success() || !version.starts_with("4.") {
+        eprintln!("skipped: {test}: transformers 4.x not installed in $KVSIGHT_PYTHON");
+        return None;
+    }
+    Some(python)
+}
+
+fn compare(dir: &Path, python: &str, reference: Reference) {
+    compare_with(dir, python, &load(dir), &cases(), None, reference);
 }
 
 fn compare_with(
@@ -160,8 +192,9 @@ fn compare_with(
     tok: &ModelTokenizer,
     cases: &Value,
     template: Option<&Path>,
+    reference: Reference,
 ) {
-    let expected = python_ids(python, dir, cases, template);
+    let expected = python_ids(python, dir, cases, template, reference);
     let actual = rust_ids(tok, cases);
     assert_eq!(expected.len(), actual.len());
     for (i, (py, rs)) in expected.iter().zip(&actual).enumerate() {
@@ -177,7 +210,16 @@ fn own_tokenizer_matches_python() {
         return;
     };
     let dir = own_tokenizer::ensure_dir().expect("own tokenizer");
-    compare(&dir, &python);
+    compare(&dir, &python, Reference::Reimplementation);
+}
+
+#[test]
+fn own_tokenizer_matches_transformers() {
+    let Some(python) = python_with_transformers("own_tokenizer_matches_transformers") else {
+        return;
+    };
+    let dir = own_tokenizer::ensure_dir().expect("own tokenizer");
+    compare(&dir, &python, Reference::Transformers);
 }
 
 #[test]
@@ -191,7 +233,21 @@ fn phi3_matches_python() {
         eprintln!("skipped: {test}: fixture {} absent", dir.display());
         return;
     }
-    compare(&dir, &python);
+    compare(&dir, &python, Reference::Reimplementation);
+}
+
+#[test]
+fn phi3_matches_transformers() {
+    let test = "phi3_matches_transformers";
+    let Some(python) = python_with_transformers(test) else {
+        return;
+    };
+    let dir = PathBuf::from(PHI3_DIR);
+    if !dir.join("tokenizer.json").is_file() {
+        eprintln!("skipped: {test}: fixture {} absent", dir.display());
+        return;
+    }
+    compare(&dir, &python, Reference::Transformers);
 }
 
 /// A template of our own that exercises what real templates use (namespace, slicing, loop
@@ -274,6 +330,23 @@ fn template_features_render_as_in_jinja2() {
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     }]);
     let tok = load(&dir).with_chat_template(FEATURE_TEMPLATE);
-    compare_with(&dir, &python, &tok, &cases, Some(&template_path));
+    compare_with(
+        &dir,
+        &python,
+        &tok,
+        &cases,
+        Some(&template_path),
+        Reference::Reimplementation,
+    );
+    if let Some(python) = python_with_transformers("template_features_render_as_in_jinja2") {
+        compare_with(
+            &dir,
+            &python,
+            &tok,
+            &cases,
+            Some(&template_path),
+            Reference::Transformers,
+        );
+    }
     let _ = std::fs::remove_file(&template_path);
 }
