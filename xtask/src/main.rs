@@ -144,10 +144,7 @@ fn ensure_components() -> Result<()> {
     if !missing.is_empty() {
         run(
             "rustup component add",
-            Command::new("rustup")
-                .arg("component")
-                .arg("add")
-                .args(&missing),
+            Command::new("rustup").arg("component").arg("add").args(&missing),
         )?;
     }
     Ok(())
