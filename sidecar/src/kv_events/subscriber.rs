@@ -7,7 +7,9 @@
 //!   sidecar that started late). Ask the replay socket for everything from `expected`. If the
 //!   first replayed seq is later than asked, the engine's buffer no longer holds that history
 //!   (vLLM replays silently from later on): the view is reset and declared [`CacheView::Lost`].
-//! - `seq < expected`, outside the range a replay just delivered: vLLM restarted (there is no
+//!   Only the missing range `[expected, seq)` is taken from the replay; the live stream goes on
+//!   in order from `seq`, so nothing is read twice and a stale copy is never taken for a restart.
+//! - `seq < expected`: vLLM restarted (there is no
 //!   epoch on the wire). A new process starts with an empty cache, so the mirror is reset; if
 //!   the first message is not seq 0 the missing start is replayed like any gap.
 //!
@@ -111,8 +113,6 @@ pub struct KvSubscriber {
     metrics: Arc<Metrics>,
     status: watch::Sender<SubscriberStatus>,
     expected: u64,
-    /// Seqs a replay delivered: live copies of them arriving later are duplicates, not a restart.
-    replayed: Option<(u64, u64)>,
 }
 
 impl std::fmt::Debug for KvSubscriber {
@@ -149,7 +149,6 @@ impl KvSubscriber {
             metrics,
             status,
             expected: 0,
-            replayed: None,
         })
     }
 
@@ -204,11 +203,6 @@ impl KvSubscriber {
             self.status.send_modify(|s| s.gaps += 1);
             tracing::warn!(expected = self.expected, got = seq, "KV-event sequence gap");
             self.recover(self.expected, seq, payload).await;
-        } else if self
-            .replayed
-            .is_some_and(|(from, to)| (from..=to).contains(&seq))
-        {
-            // Already applied from the replay.
         } else {
             self.metrics.kv_event_restarts.inc();
             self.status.send_modify(|s| s.restarts += 1);
@@ -219,7 +213,6 @@ impl KvSubscriber {
             );
             // A new engine process starts with an empty cache: nothing we knew is resident.
             lock(&self.mirror).reset();
-            self.replayed = None;
             self.expected = 0;
             self.set_view(CacheView::Exact);
             if seq == 0 {
@@ -239,21 +232,24 @@ impl KvSubscriber {
         };
         let was_lost = self.status.borrow().view == CacheView::Lost;
         self.set_view(CacheView::Recovering);
-        let replay = replay(&endpoint, from, self.config.replay_timeout).await;
+        // Only the missing range matters: the live stream carries on from `live_seq` in order,
+        // so batches the replay adds after it would only be read twice.
+        let replay = replay(&endpoint, from, self.config.replay_timeout)
+            .await
+            .map(|batches| {
+                batches
+                    .into_iter()
+                    .filter(|(s, _)| (from..live_seq).contains(s))
+                    .collect::<Vec<_>>()
+            });
         match replay {
-            Ok(batches) if batches.first().is_some_and(|(s, _)| *s == from) => {
-                let last = batches.last().map_or(from, |(s, _)| *s);
+            Ok(batches) if is_run(&batches, from, live_seq) => {
                 for (seq, payload) in &batches {
-                    if *seq != self.expected {
-                        // Not contiguous after all: treat as history lost from here.
-                        self.lose("replay is not contiguous");
-                    }
                     self.apply(*seq, payload);
                 }
                 self.metrics.count_replay("recovered");
                 self.status.send_modify(|s| s.replays_recovered += 1);
-                tracing::info!(from, to = last, "KV-event gap recovered by replay");
-                self.replayed = Some((from, last));
+                tracing::info!(from, to = live_seq, "KV-event gap recovered by replay");
                 if self.status.borrow().view == CacheView::Recovering {
                     self.set_view(if was_lost {
                         CacheView::Lost
@@ -270,11 +266,7 @@ impl KvSubscriber {
                 // Rebuild from what the engine still has: later stores land on top of the reset
                 // view; removals of blocks we never knew are counted and ignored.
                 for (seq, payload) in &batches {
-                    self.expected = *seq;
                     self.apply(*seq, payload);
-                }
-                if let Some((first, last)) = first.zip(batches.last().map(|(s, _)| *s)) {
-                    self.replayed = Some((first, last));
                 }
             }
             Err(e) => {
@@ -283,13 +275,7 @@ impl KvSubscriber {
                 self.lose("replay failed");
             }
         }
-        if live_seq >= self.expected {
-            if live_seq > self.expected {
-                self.lose("live message is past what replay delivered");
-                self.expected = live_seq;
-            }
-            self.apply(live_seq, &live);
-        }
+        self.apply(live_seq, &live);
     }
 
     /// History is gone for good: start over from an empty view and say so.
@@ -356,6 +342,11 @@ impl KvSubscriber {
             s.view = view;
         });
     }
+}
+
+/// Whether `batches` are exactly the seqs `from..to`, in order.
+fn is_run(batches: &[(u64, Bytes)], from: u64, to: u64) -> bool {
+    batches.len() as u64 == to - from && batches.iter().zip(from..).all(|((s, _), want)| *s == want)
 }
 
 fn seq_of(frame: &[u8]) -> Option<u64> {
