@@ -119,6 +119,11 @@ impl Publisher {
             }
             let mut mirror = lock(&self.mirror);
             if let Some(delta) = mirror.filter_mut().take_delta() {
+                tracing::trace!(
+                    version = delta.version,
+                    receivers = self.deltas.receiver_count(),
+                    "delta taken"
+                );
                 // No receiver is fine: connections start from a snapshot anyway.
                 let _ = self.deltas.send(Arc::new(delta));
             }
@@ -365,6 +370,7 @@ impl Publisher {
                 },
                 d = deltas.recv() => match d {
                     Ok(d) if d.base_version == version => {
+                        tracing::trace!(router = %addr, version = d.version, "delta");
                         sent(tx.send(&SidecarMessage::CacheDelta((*d).clone())).await?);
                         version = d.version;
                     }
