@@ -160,12 +160,11 @@ impl Harness {
     async fn handled(&mut self, seq: u64, messages: u64) -> SubscriberStatus {
         let mut rx = self.status.clone();
         let done = |s: &SubscriberStatus| s.last_seq == Some(seq) && s.messages >= messages;
-        let got = tokio::time::timeout(WAIT, rx.wait_for(done))
-            .await
+        let waited = tokio::time::timeout(WAIT, rx.wait_for(done)).await;
+        let got = waited
             .unwrap_or_else(|_| panic!("seq {seq} not applied: {:?}", self.status.borrow()))
-            .expect("subscriber alive")
-            .clone();
-        got
+            .expect("subscriber alive");
+        got.clone()
     }
 
     fn mirror_set(&self) -> HashSet<u64> {
