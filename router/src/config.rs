@@ -32,7 +32,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 }
 
 /// The whole file.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RouterConfig {
     /// Pools, in order: a request goes to the first pool that lists its model. A model in no
@@ -44,18 +44,6 @@ pub struct RouterConfig {
     /// Local tokenizer folders per model name (a `tokenizer.json`, usually with a
     /// `tokenizer_config.json`); models not listed get their tokenizer from a sidecar.
     pub tokenizers: BTreeMap<String, PathBuf>,
-}
-
-impl Default for RouterConfig {
-    fn default() -> Self {
-        RouterConfig {
-            pools: Vec::new(),
-            scheduler: SchedulerConfig::default(),
-            timeouts: Timeouts::default(),
-            limits: Limits::default(),
-            tokenizers: BTreeMap::new(),
-        }
-    }
 }
 
 /// A set of pods serving some models, with an optional context window and fallback.
@@ -91,7 +79,8 @@ pub struct Weights {
     pub running_requests: f64,
     /// The request's LoRA adapter already loaded on the pod.
     pub lora_affinity: f64,
-    /// Lower predicted time to first token (queue + uncached prefill) scores higher.
+    /// Lower predicted time to first token (queue + uncached prefill) scores higher. Off by
+    /// default: it rewards cached prefixes too, so `prefix: 0` alone would not spread traffic.
     pub predicted_latency: f64,
     /// The pod picked longest ago scores higher: the tie-breaker.
     pub lru: f64,
@@ -105,7 +94,7 @@ impl Default for Weights {
             kv_cache: 1.0,
             running_requests: 1.0,
             lora_affinity: 1.0,
-            predicted_latency: 1.0,
+            predicted_latency: 0.0,
             lru: 0.1,
         }
     }

@@ -6,3 +6,5 @@
 //! scheduler exist; the HTTP proxy, QUIC listener and binary are not built yet.
 
 pub mod config;
+pub mod pods;
+pub mod scheduler;
