@@ -337,3 +337,81 @@ impl Workload {
         )
     }
 }
+
+/// Raw frames from a hand-driven XPUB: payloads that do not decode and messages that are not
+/// `[topic, seq, payload]` are counted and skipped, and the stream goes on without a gap.
+#[tokio::test]
+async fn malformed_messages_are_counted_and_skipped() {
+    use bytes::Bytes;
+    use kvsight_testbed::sim::kv_events::{Layout, encode_batch};
+    use zeromq::{Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
+
+    let mut xpub = XPubSocket::new();
+    let endpoint = xpub.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let mirror = Arc::new(Mutex::new(Mirror::new(1000).unwrap()));
+    let metrics = Arc::new(Metrics::new());
+    let sub = KvSubscriber::connect(
+        SubscriberConfig {
+            endpoint,
+            replay_endpoint: None,
+            topic: String::new(),
+            replay_timeout: Duration::from_secs(1),
+        },
+        Arc::clone(&mirror),
+        Arc::clone(&metrics),
+    )
+    .await
+    .unwrap();
+    // The subscription request reaching the XPUB is what makes delivery certain.
+    let request = tokio::time::timeout(WAIT, xpub.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(request.get(0).and_then(|f| f.first()), Some(&1));
+    let mut status = sub.status();
+    let cancel = CancellationToken::new();
+    tokio::spawn(sub.run(cancel.clone()));
+
+    let send = |frames: Vec<Bytes>| ZmqMessage::try_from(frames).unwrap();
+    let seq = |s: u64| Bytes::copy_from_slice(&s.to_be_bytes());
+    // seq 0: not msgpack.
+    xpub.send(send(vec![
+        Bytes::new(),
+        seq(0),
+        Bytes::from_static(b"\xc1garbage"),
+    ]))
+    .await
+    .unwrap();
+    // Two frames only.
+    xpub.send(send(vec![Bytes::new(), seq(1)])).await.unwrap();
+    // seq 1: a real batch.
+    let batch = EventBatch::new(
+        1.0,
+        vec![KvEvent::BlockStored(BlockStored::new(
+            vec![BlockHash::Int(77)],
+            None,
+            vec![1, 2, 3, 4],
+            B,
+        ))],
+    );
+    let payload = Bytes::from(encode_batch(&batch, Layout::Map).unwrap());
+    xpub.send(send(vec![Bytes::new(), seq(1), payload]))
+        .await
+        .unwrap();
+
+    let got = tokio::time::timeout(WAIT, status.wait_for(|s| s.last_seq == Some(1)))
+        .await
+        .expect("valid batch applied")
+        .unwrap()
+        .clone();
+    cancel.cancel();
+    assert_eq!(got.malformed, 2, "{got:?}");
+    assert_eq!(got.gaps, 0);
+    assert_eq!(got.view, CacheView::Exact);
+    assert_eq!(lock(&mirror).resident(), 1);
+    assert!(
+        metrics
+            .render()
+            .contains("kvsight_sidecar_kv_payloads_malformed_total 2")
+    );
+}
