@@ -1,6 +1,6 @@
 //! True load: scrapes vLLM's `/metrics` at the scrape interval and turns it into `Load` reports,
-//! republished at once when the phase changes. Also keeps vLLM's health and the Ready/Unhealthy
-//! phase in step.
+//! republished at once when the phase or the cache view changes. Also keeps vLLM's health and
+//! the Ready/Unhealthy phase in step.
 //!
 //! `unrouted` = vLLM's running + waiting − Σ routers' in-flight for this pod, never negative:
 //! load no router sent (benchmarks run with `kubectl exec`, warm-up, other gateways). The
@@ -96,6 +96,9 @@ pub async fn run_load(
     let mut phase_rx = shared.watch_phase();
     let mut rate = PrefillRate::default();
     let mut last: Option<(Instant, EngineMetrics)> = None;
+    // A change of the cache view (Lost, Recovering) also reaches routers at once.
+    let mut sub_rx = shared.subscriber.get().cloned();
+    let mut last_view = view(&shared);
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
@@ -119,6 +122,22 @@ pub async fn run_load(
                 if changed.is_err() {
                     return;
                 }
+            }
+            changed = async {
+                match &mut sub_rx {
+                    Some(rx) => rx.changed().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let Some(rx) = sub_rx.as_mut().filter(|_| changed.is_ok()) else {
+                    sub_rx = None;
+                    continue;
+                };
+                let v = rx.borrow_and_update().view;
+                if v == last_view {
+                    continue;
+                }
+                last_view = v;
             }
         }
         let Some((at, m)) = &last else { continue };

@@ -433,7 +433,7 @@ async fn refused_hello_is_counted_and_retried() {
 }
 
 #[tokio::test]
-async fn tokenizer_chunks_reassemble_and_inflight_and_goodbye() {
+async fn tokenizer_chunks_inflight_resync_and_goodbye() {
     let ca = DevCa::new("test-ca").unwrap();
     let mut router = TestRouter::start(
         &ca.material("router", &["127.0.0.1"]).unwrap(),
@@ -481,6 +481,17 @@ async fn tokenizer_chunks_reassemble_and_inflight_and_goodbye() {
         .unwrap();
     let shared = Arc::clone(&side.shared);
     eventually("in-flight recorded", || shared.inflight_total() == 3).await;
+
+    // A router whose filter went wrong asks for a resync and gets a snapshot of what it has.
+    store(&side.mirror, 900, 3);
+    router.resident(3).await;
+    to_sidecar.send(RouterMessage::ResyncRequest).unwrap();
+    let snap = loop {
+        if let (_, SidecarMessage::CacheSnapshot(s)) = router.message(false).await {
+            break s;
+        }
+    };
+    assert_eq!(snap.resident_blocks, 3);
 
     side.shared.set_close_reason(CloseReason::Drained);
     side.close.cancel();
