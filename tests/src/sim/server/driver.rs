@@ -8,14 +8,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::SimConfig;
 use super::metrics::Metrics;
-use crate::sim::engine::{Engine, EngineKvEvent, EngineStats, Request, RequestOutput};
+use crate::sim::engine::{Engine, EngineKvEvent, EngineStats, Request, RequestOutput, StepOutput};
 use crate::sim::kv_events::{
     BlockHash, BlockRemoved, BlockStored, EventBatch, ExtraKey, KvEvent, KvEventPublisher,
 };
@@ -128,13 +128,17 @@ impl Driver {
                 }
                 continue;
             }
-            let duration = self.step();
+            // The step's results exist only once its simulated time has passed.
+            let out = self.engine.step();
+            self.refresh_gauges();
+            let duration = out.duration.mul_f64(self.slowdown.min(1e6));
             if duration.is_zero() {
                 // Never monopolise the runtime, even when time is scaled to zero.
                 tokio::task::yield_now().await;
             } else {
                 tokio::time::sleep(duration).await;
             }
+            self.deliver(out);
         }
     }
 
@@ -197,9 +201,8 @@ impl Driver {
         }
     }
 
-    /// Runs one engine step and delivers its results; returns how long the step takes.
-    fn step(&mut self) -> Duration {
-        let out = self.engine.step();
+    /// Publishes a finished step's events and routes its outputs.
+    fn deliver(&mut self, out: StepOutput) {
         self.publish(out.events);
         let now = Instant::now();
         let mut finished_reasons = Vec::new();
@@ -245,7 +248,6 @@ impl Driver {
             }
         }
         self.refresh_gauges();
-        out.duration.mul_f64(self.slowdown.min(1e6))
     }
 
     fn refresh_gauges(&self) {
