@@ -291,3 +291,36 @@ async fn slowdown_stretches_latency() -> anyhow::Result<()> {
     assert!(slow > fast * 5.0, "slow {slow} vs fast {fast}");
     Ok(())
 }
+
+#[tokio::test]
+async fn client_disconnect_aborts_the_request() -> anyhow::Result<()> {
+    let pod = SimPod::start(SimConfig {
+        engine: engine(1.0),
+        ..SimConfig::default()
+    })
+    .await?;
+    let addr = pod.http_addr();
+    let client = tokio::spawn(async move {
+        post_json(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 3], "max_tokens": 2000, "stream": true}),
+        )
+        .await
+    });
+    wait_metrics(&pod, |m| {
+        metric(m, "vllm:num_requests_running") == Some(1.0)
+    })
+    .await;
+    // Dropping the task closes the connection mid-stream.
+    client.abort();
+    let m = wait_metrics(&pod, |m| {
+        metric(m, "vllm:num_requests_running") == Some(0.0)
+    })
+    .await;
+    assert!(
+        m.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"vllm-sim\"} 1.0"),
+        "{m}"
+    );
+    Ok(())
+}
