@@ -63,6 +63,9 @@ pub struct Hello {
     pub tokenizer: Option<TokenizerInfo>,
     /// The sidecar's build, for logs and `/debug/pods`.
     pub sidecar_version: String,
+    /// Milliseconds between `Load` reports: a router treats the pod as stale (no traffic) after
+    /// three intervals without one.
+    pub load_interval_ms: u32,
 }
 
 /// Where the pod is.
@@ -72,6 +75,9 @@ pub struct PodIdentity {
     pub namespace: String,
     /// The vLLM base URL routers send requests to, e.g. `http://10.0.3.7:8000`.
     pub url: String,
+    /// The pod's labels that routers select pools by (e.g. `kvsight.io/pool=long`), from the
+    /// downward API. Sorted, so the encoding is deterministic.
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// The engine's limits as vLLM reports them.

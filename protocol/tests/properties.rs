@@ -41,13 +41,14 @@ fn hello() -> impl Strategy<Value = Hello> {
         vec(text(), 0..4),
         vec(text(), 0..4),
         option::of((text(), any::<u64>())),
-        text(),
+        (text(), any::<u32>()),
     )
         .prop_map(
-            |(v, id, (name, ns, url), e, models, loras, tok, sv)| Hello {
+            |(v, id, (name, ns, url), e, models, loras, tok, (sv, interval))| Hello {
                 protocol_version: v,
                 instance_id: id,
                 pod: PodIdentity {
+                    labels: [(name.clone(), url.clone())].into(),
                     name,
                     namespace: ns,
                     url,
@@ -68,6 +69,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                     total_bytes,
                 }),
                 sidecar_version: sv,
+                load_interval_ms: interval,
             },
         )
 }

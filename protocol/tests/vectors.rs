@@ -105,6 +105,7 @@ fn hello_frame_bytes_are_pinned() {
             name: "p".into(),
             namespace: "ns".into(),
             url: "http://x".into(),
+            labels: [("kvsight.io/pool".to_string(), "short".to_string())].into(),
         },
         engine: EngineFacts {
             block_size: 16,
@@ -119,9 +120,10 @@ fn hello_frame_bytes_are_pinned() {
         lora_adapters: vec![],
         tokenizer: None,
         sidecar_version: "0.1.0".into(),
+        load_interval_ms: 100,
     });
     let bytes = frame::encode(&hello).unwrap();
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(hex, PINNED_HELLO);
 }
-const PINNED_HELLO: &str = "0000002e0001070170026e7308687474703a2f2f7810e807018002802001801006302e33332e3001016d000005302e312e30";
+const PINNED_HELLO: &str = "000000460001070170026e7308687474703a2f2f78010f6b7673696768742e696f2f706f6f6c0573686f727410e807018002802001801006302e33332e3001016d000005302e312e3064";

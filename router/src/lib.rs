@@ -2,5 +2,9 @@
 //! matches the block-hash chain against every pod's Bloom filter, filters saturated pods, scores
 //! the rest with configured weights and streams the answer back under one deadline.
 //!
-//! Status: not built yet (issue "kvsight-router"). This crate holds no behaviour so far; it
-//! exists so the workspace shows the architecture and the protocol crate has its consumer.
+//! Status (issue "kvsight-router"): the configuration file and the sans-I/O pod registry and
+//! scheduler exist; the HTTP proxy, QUIC listener and binary are not built yet.
+
+pub mod config;
+pub mod pods;
+pub mod scheduler;

@@ -100,7 +100,7 @@ fn ci(root: &Path) -> Result<()> {
     )?;
     step(
         "cargo bench --no-run",
-        &["bench", "--workspace", "--locked", "--no-run"],
+        &["bench", "--workspace", "--benches", "--locked", "--no-run"],
     )?;
     for dir in FUZZ_CRATES {
         build_and_replay_fuzz(root, dir)?;

@@ -1,0 +1,458 @@
+//! The router's configuration file: pools, scheduler weights and thresholds, timeouts, limits,
+//! tokenizers. YAML or TOML (by extension), camelCase keys like a gateway's config, parsed and
+//! validated in one place so that a bad file is rejected whole with a message naming the field —
+//! at start (exit 64) and on every hot reload (the old config stays).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Why a configuration was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// The whole file.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Pools, in order: a request goes to the first pool that lists its model. A model in no
+    /// pool is served by every Ready pod that serves it (an implicit pool without a window).
+    pub pools: Vec<PoolConfig>,
+    pub scheduler: SchedulerConfig,
+    pub timeouts: Timeouts,
+    pub limits: Limits,
+    /// Local tokenizer folders per model name (a `tokenizer.json`, usually with a
+    /// `tokenizer_config.json`); models not listed get their tokenizer from a sidecar.
+    pub tokenizers: BTreeMap<String, PathBuf>,
+}
+
+/// A set of pods serving some models, with an optional context window and fallback.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolConfig {
+    pub name: String,
+    /// Served model names (or LoRA adapter names) this pool answers.
+    pub models: Vec<String>,
+    /// Pods must carry all these labels (Kubernetes `matchLabels`); empty selects every pod that
+    /// serves one of the models.
+    #[serde(default)]
+    pub pod_selector: BTreeMap<String, String>,
+    /// Largest prompt (tokens) this pool accepts; default: each pod's `max_model_len`.
+    #[serde(default)]
+    pub context_window: Option<u32>,
+    /// A pool to resend a request to, once, when this pool rejects its prompt as too long.
+    #[serde(default)]
+    pub fallback: Option<String>,
+}
+
+/// Weights of the scorers: a pod's score is Σ weight × scorer value (each value in 0 – 1).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Weights {
+    /// Fraction of the prompt's blocks resident on the pod (real cache, via its Bloom filter).
+    pub prefix: f64,
+    /// Fewer waiting requests (projected) scores higher.
+    pub queue: f64,
+    /// Lower projected KV-cache use scores higher.
+    pub kv_cache: f64,
+    /// Fewer running requests (projected) scores higher.
+    pub running_requests: f64,
+    /// The request's LoRA adapter already loaded on the pod.
+    pub lora_affinity: f64,
+    /// Lower predicted time to first token (queue + uncached prefill) scores higher. Off by
+    /// default: it rewards cached prefixes too, so `prefix: 0` alone would not spread traffic.
+    pub predicted_latency: f64,
+    /// The pod picked longest ago scores higher: the tie-breaker.
+    pub lru: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            prefix: 3.0,
+            queue: 1.0,
+            kv_cache: 1.0,
+            running_requests: 1.0,
+            lora_affinity: 1.0,
+            predicted_latency: 0.0,
+            lru: 0.1,
+        }
+    }
+}
+
+impl Weights {
+    /// Every weight with its config name.
+    pub fn named(&self) -> [(&'static str, f64); 7] {
+        [
+            ("prefix", self.prefix),
+            ("queue", self.queue),
+            ("kvCache", self.kv_cache),
+            ("runningRequests", self.running_requests),
+            ("loraAffinity", self.lora_affinity),
+            ("predictedLatency", self.predicted_latency),
+            ("lru", self.lru),
+        ]
+    }
+}
+
+/// When a pod counts as saturated and is skipped.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Saturation {
+    /// Saturated at this many waiting requests (projected). Default 1.
+    pub max_waiting: u32,
+    /// Saturated when projected KV-cache use would exceed this fraction. Default 0.9.
+    pub kv_threshold: f64,
+}
+
+impl Default for Saturation {
+    fn default() -> Self {
+        Saturation {
+            max_waiting: 1,
+            kv_threshold: 0.9,
+        }
+    }
+}
+
+/// Scheduler settings.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    pub weights: Weights,
+    pub saturation: Saturation,
+    /// Seconds a routed prompt's blocks count as *pending* on its pod until the pod's own events
+    /// confirm them. Default 2.
+    pub pending_ttl_seconds: f64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            weights: Weights::default(),
+            saturation: Saturation::default(),
+            pending_ttl_seconds: 2.0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// [`Self::pending_ttl_seconds`] as a duration.
+    pub fn pending_ttl(&self) -> Duration {
+        Duration::from_secs_f64(self.pending_ttl_seconds)
+    }
+}
+
+/// Deadlines.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// The one deadline for a whole request, first byte to last. Default 3600 s.
+    pub request_seconds: f64,
+    /// Connecting to a pod. Default 2 s.
+    pub connect_seconds: f64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            request_seconds: 3600.0,
+            connect_seconds: 2.0,
+        }
+    }
+}
+
+impl Timeouts {
+    pub fn request(&self) -> Duration {
+        Duration::from_secs_f64(self.request_seconds)
+    }
+    pub fn connect(&self) -> Duration {
+        Duration::from_secs_f64(self.connect_seconds)
+    }
+}
+
+/// Request limits.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request body in bytes. Default 32 MiB (room for base64 images).
+    pub body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            body_bytes: 32 << 20,
+        }
+    }
+}
+
+impl RouterConfig {
+    /// Reads and validates a file; YAML for `.yaml`/`.yml`, TOML for `.toml`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let parse_err = |message: String| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        };
+        let cfg: RouterConfig = match path.extension().and_then(|e| e.to_str()) {
+            Some("toml") => toml::from_str(&text).map_err(|e| parse_err(e.to_string()))?,
+            Some("yaml" | "yml") => {
+                serde_saphyr::from_str(&text).map_err(|e| parse_err(e.to_string()))?
+            }
+            _ => {
+                return Err(parse_err(
+                    "unknown extension: use .yaml, .yml or .toml".into(),
+                ));
+            }
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Every rule a config must satisfy, checked in one place.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut names = BTreeSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let field = format!("pools[{i}]");
+            if pool.name.trim().is_empty() {
+                return Err(invalid(format!("{field}.name"), "must not be empty"));
+            }
+            if !names.insert(pool.name.as_str()) {
+                return Err(invalid(
+                    format!("{field}.name"),
+                    format!("pool {:?} is defined twice", pool.name),
+                ));
+            }
+            if pool.models.is_empty() {
+                return Err(invalid(
+                    format!("{field}.models"),
+                    "must list at least one model",
+                ));
+            }
+            if pool.context_window == Some(0) {
+                return Err(invalid(
+                    format!("{field}.contextWindow"),
+                    "must be positive",
+                ));
+            }
+        }
+        for (i, pool) in self.pools.iter().enumerate() {
+            if let Some(fb) = &pool.fallback {
+                if fb == &pool.name {
+                    return Err(invalid(
+                        format!("pools[{i}].fallback"),
+                        "a pool cannot fall back to itself",
+                    ));
+                }
+                if !names.contains(fb.as_str()) {
+                    return Err(invalid(
+                        format!("pools[{i}].fallback"),
+                        format!("no pool named {fb:?}"),
+                    ));
+                }
+            }
+        }
+        for (name, w) in self.scheduler.weights.named() {
+            if !w.is_finite() || w < 0.0 {
+                return Err(invalid(
+                    format!("scheduler.weights.{name}"),
+                    format!("must be a finite number >= 0, got {w}"),
+                ));
+            }
+        }
+        let sat = &self.scheduler.saturation;
+        if !(sat.kv_threshold > 0.0 && sat.kv_threshold <= 1.0) {
+            return Err(invalid(
+                "scheduler.saturation.kvThreshold",
+                "must be in (0, 1]",
+            ));
+        }
+        if sat.max_waiting == 0 {
+            return Err(invalid(
+                "scheduler.saturation.maxWaiting",
+                "must be at least 1",
+            ));
+        }
+        positive_secs(
+            "scheduler.pendingTtlSeconds",
+            self.scheduler.pending_ttl_seconds,
+        )?;
+        positive_secs("timeouts.requestSeconds", self.timeouts.request_seconds)?;
+        positive_secs("timeouts.connectSeconds", self.timeouts.connect_seconds)?;
+        if self.limits.body_bytes == 0 {
+            return Err(invalid("limits.bodyBytes", "must be positive"));
+        }
+        Ok(())
+    }
+
+    /// The pool configured for `model`, if any.
+    pub fn pool_for(&self, model: &str) -> Option<&PoolConfig> {
+        self.pools
+            .iter()
+            .find(|p| p.models.iter().any(|m| m == model))
+    }
+
+    /// A pool by name.
+    pub fn pool(&self, name: &str) -> Option<&PoolConfig> {
+        self.pools.iter().find(|p| p.name == name)
+    }
+}
+
+fn positive_secs(field: &str, v: f64) -> Result<(), ConfigError> {
+    // Duration::from_secs_f64 panics on negative, NaN or huge values: refuse them here.
+    if v.is_finite() && v > 0.0 && v < 1e9 {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("must be a positive number of seconds, got {v}"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> (tempdir::Dir, PathBuf) {
+        let dir = tempdir::Dir::new();
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    /// A tiny self-deleting temporary folder (no extra dependency for two tests).
+    mod tempdir {
+        use std::path::{Path, PathBuf};
+        use std::sync::atomic::{AtomicU32, Ordering};
+
+        pub(super) struct Dir(PathBuf);
+        impl Dir {
+            pub(super) fn new() -> Self {
+                static N: AtomicU32 = AtomicU32::new(0);
+                let p = std::env::temp_dir().join(format!(
+                    "kvsight-router-config-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
+                std::fs::create_dir_all(&p).unwrap();
+                Dir(p)
+            }
+            pub(super) fn path(&self) -> &Path {
+                &self.0
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    const YAML: &str = r#"
+pools:
+  - name: short
+    models: [kvsight-demo]
+    contextWindow: 4096
+    fallback: long
+  - name: long
+    models: [kvsight-demo]
+    podSelector: {kvsight.io/pool: long}
+scheduler:
+  weights: {prefix: 0, lru: 0.5}
+  saturation: {maxWaiting: 2}
+timeouts: {requestSeconds: 30}
+"#;
+
+    #[test]
+    fn yaml_and_toml_give_the_same_config() {
+        let (_d1, y) = write("c.yaml", YAML);
+        let (_d2, t) = write(
+            "c.toml",
+            r#"
+[[pools]]
+name = "short"
+models = ["kvsight-demo"]
+contextWindow = 4096
+fallback = "long"
+[[pools]]
+name = "long"
+models = ["kvsight-demo"]
+podSelector = { "kvsight.io/pool" = "long" }
+[scheduler.weights]
+prefix = 0
+lru = 0.5
+[scheduler.saturation]
+maxWaiting = 2
+[timeouts]
+requestSeconds = 30
+"#,
+        );
+        let a = RouterConfig::load(&y).unwrap();
+        let b = RouterConfig::load(&t).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.scheduler.weights.prefix, 0.0);
+        assert_eq!(
+            a.scheduler.weights.queue, 1.0,
+            "unset weights keep their defaults"
+        );
+        assert_eq!(a.scheduler.saturation.kv_threshold, 0.9);
+        assert_eq!(a.timeouts.request(), Duration::from_secs(30));
+        assert_eq!(a.pool_for("kvsight-demo").unwrap().name, "short");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (
+                "pools: [{name: a, models: [m], fallback: b}]",
+                "pools[0].fallback",
+            ),
+            ("pools: [{name: a, models: []}]", "pools[0].models"),
+            (
+                "pools: [{name: a, models: [m]}, {name: a, models: [n]}]",
+                "pools[1].name",
+            ),
+            (
+                "scheduler: {weights: {prefix: -1}}",
+                "scheduler.weights.prefix",
+            ),
+            (
+                "scheduler: {saturation: {kvThreshold: 1.5}}",
+                "scheduler.saturation.kvThreshold",
+            ),
+            ("timeouts: {requestSeconds: 0}", "timeouts.requestSeconds"),
+        ];
+        for (text, field) in cases {
+            let (_d, p) = write("c.yaml", text);
+            let err = RouterConfig::load(&p).unwrap_err().to_string();
+            assert!(err.starts_with(field), "{text}: {err}");
+        }
+        let (_d, p) = write("c.yaml", "scheduler: {weights: {prefx: 1}}");
+        let err = RouterConfig::load(&p).unwrap_err().to_string();
+        assert!(err.contains("prefx"), "unknown keys are refused: {err}");
+    }
+}

@@ -1,0 +1,314 @@
+//! What this router replica knows about each pod: the sidecar's `Hello`, its latest `Load`, its
+//! Bloom filter, and what this router sent it since that load was sampled.
+//!
+//! The registry is sans-I/O: the QUIC listener feeds it messages, the scheduler reads it and
+//! records its picks. Time is passed in, so every rule here is testable without a clock.
+//!
+//! A pod is keyed by `namespace/name`. A new connection for the same key (a sidecar restart or a
+//! reconnect) replaces the old state; messages from a replaced connection are ignored. A pod whose
+//! reports stop for three of its announced load intervals is *stale*: it stays listed (so
+//! `/debug/pods` shows it and its age) but receives no traffic until a report arrives or its
+//! connection closes (QUIC's idle timeout closes dead connections within seconds).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use kvsight_protocol::bloom::{BloomFilter, FilterError};
+use kvsight_protocol::messages::{CacheDelta, CacheSnapshot, Hello, Load, Phase};
+
+/// Identifies one accepted connection; stale messages carry an old id.
+pub type ConnId = u64;
+
+/// A report as received.
+#[derive(Debug, Clone)]
+pub struct LoadSample {
+    pub load: Load,
+    pub received_at: Instant,
+    /// When vLLM's metrics were sampled, by this router's clock.
+    pub sampled_at: Instant,
+}
+
+/// A request this router sent to the pod, remembered until a load sample includes it.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    at: Instant,
+    new_blocks: u32,
+}
+
+/// One pod's state.
+#[derive(Debug)]
+pub struct Pod {
+    pub key: String,
+    pub conn: ConnId,
+    pub hello: Hello,
+    pub joined_at: Instant,
+    pub load: Option<LoadSample>,
+    pub filter: Option<BloomFilter>,
+    /// This router's requests currently in flight on the pod.
+    pub inflight: u32,
+    pub last_picked: Option<Instant>,
+    sent: VecDeque<Sent>,
+    /// Canonical block hashes of prompts routed here, until their TTL: a burst sharing a new
+    /// prefix lands together instead of scattering before the first prefill is reported.
+    pending: HashMap<u64, Instant>,
+}
+
+/// The load the scheduler should assume: the last report plus what was sent since its sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Projection {
+    pub running: u32,
+    pub waiting: u32,
+    pub kv_usage: f64,
+    /// Requests sent since the sample (included above).
+    pub sent_since_sample: u32,
+}
+
+impl Pod {
+    /// The pod's phase, or `Starting` before its first report.
+    pub fn phase(&self) -> Phase {
+        self.load.as_ref().map_or(Phase::Starting, |l| l.load.phase)
+    }
+
+    /// Time since the last report (since joining if none).
+    pub fn report_age(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.load.as_ref().map_or(self.joined_at, |l| l.received_at))
+    }
+
+    /// Whether reports stopped for three load intervals.
+    pub fn is_stale(&self, now: Instant) -> bool {
+        let interval = Duration::from_millis(u64::from(self.hello.load_interval_ms.max(10)));
+        self.report_age(now) > interval * 3
+    }
+
+    /// Whether `model` is a served name or a LoRA adapter of this pod.
+    pub fn serves(&self, model: &str) -> bool {
+        self.hello.models.iter().any(|m| m == model) || self.is_lora(model)
+    }
+
+    /// Whether `model` names one of this pod's LoRA adapters.
+    pub fn is_lora(&self, model: &str) -> bool {
+        self.hello.lora_adapters.iter().any(|m| m == model)
+    }
+
+    /// Projected load at `now` (see [`Projection`]).
+    pub fn projection(&self) -> Projection {
+        let Some(sample) = &self.load else {
+            return Projection {
+                running: 0,
+                waiting: 0,
+                kv_usage: 0.0,
+                sent_since_sample: 0,
+            };
+        };
+        let (mut n, mut blocks) = (0u32, 0u64);
+        for s in self.sent.iter().filter(|s| s.at > sample.sampled_at) {
+            n += 1;
+            blocks += u64::from(s.new_blocks);
+        }
+        let slots = self.hello.engine.max_num_seqs.max(1);
+        let l = &sample.load;
+        let total = l.running.saturating_add(n);
+        let running = total.min(slots);
+        let waiting = l.waiting.saturating_add(total - running);
+        let gpu_blocks = self.hello.engine.num_gpu_blocks.max(1) as f64;
+        Projection {
+            running,
+            waiting,
+            kv_usage: f64::from(l.kv_usage) + blocks as f64 / gpu_blocks,
+            sent_since_sample: n,
+        }
+    }
+
+    /// Whether `hash` is pending (routed here recently and not yet expired).
+    pub fn is_pending(&self, hash: u64, now: Instant) -> bool {
+        self.pending.get(&hash).is_some_and(|&exp| exp > now)
+    }
+
+    /// Number of leading blocks of `chain` resident (filter) or pending.
+    pub fn matched_blocks(&self, chain: &[u64], now: Instant) -> usize {
+        let filter = self.filter.as_ref();
+        chain
+            .iter()
+            .position(|&h| !(filter.is_some_and(|f| f.contains(h)) || self.is_pending(h, now)))
+            .unwrap_or(chain.len())
+    }
+}
+
+/// Why a message was not applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("pod {0} is not registered on this connection")]
+    NotRegistered(String),
+    #[error("filter: {0}")]
+    Filter(#[from] FilterError),
+}
+
+/// Every pod this router knows.
+#[derive(Debug, Default)]
+pub struct Registry {
+    pods: HashMap<String, Pod>,
+    next_conn: ConnId,
+}
+
+/// `namespace/name`.
+pub fn pod_key(hello: &Hello) -> String {
+    format!("{}/{}", hello.pod.namespace, hello.pod.name)
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a pod from its `Hello`, replacing any earlier connection for the same key.
+    pub fn register(&mut self, hello: Hello, now: Instant) -> (String, ConnId) {
+        self.next_conn += 1;
+        let key = pod_key(&hello);
+        let pod = Pod {
+            key: key.clone(),
+            conn: self.next_conn,
+            hello,
+            joined_at: now,
+            load: None,
+            filter: None,
+            inflight: 0,
+            last_picked: None,
+            sent: VecDeque::new(),
+            pending: HashMap::new(),
+        };
+        // A replaced pod keeps this router's in-flight count: those requests are still running.
+        let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
+        let pod = Pod { inflight, ..pod };
+        self.pods.insert(key.clone(), pod);
+        (key, self.next_conn)
+    }
+
+    /// Removes the pod if `conn` still owns it. Returns whether it was removed.
+    pub fn unregister(&mut self, key: &str, conn: ConnId) -> bool {
+        if self.pods.get(key).is_some_and(|p| p.conn == conn) {
+            self.pods.remove(key);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn owned(&mut self, key: &str, conn: ConnId) -> Result<&mut Pod, RegistryError> {
+        self.pods
+            .get_mut(key)
+            .filter(|p| p.conn == conn)
+            .ok_or_else(|| RegistryError::NotRegistered(key.to_owned()))
+    }
+
+    /// Applies a load report received at `now`.
+    pub fn apply_load(
+        &mut self,
+        key: &str,
+        conn: ConnId,
+        load: Load,
+        now: Instant,
+    ) -> Result<(), RegistryError> {
+        let pod = self.owned(key, conn)?;
+        let age = Duration::from_millis(u64::from(load.sample_age_ms));
+        let sampled_at = now.checked_sub(age).unwrap_or(now);
+        // Everything sent before the sample is now part of vLLM's own numbers.
+        while pod.sent.front().is_some_and(|s| s.at <= sampled_at) {
+            pod.sent.pop_front();
+        }
+        pod.load = Some(LoadSample {
+            load,
+            received_at: now,
+            sampled_at,
+        });
+        Ok(())
+    }
+
+    /// Replaces the pod's filter with a snapshot.
+    pub fn apply_snapshot(
+        &mut self,
+        key: &str,
+        conn: ConnId,
+        snap: &CacheSnapshot,
+    ) -> Result<(), RegistryError> {
+        let pod = self.owned(key, conn)?;
+        pod.filter = Some(BloomFilter::from_snapshot(snap)?);
+        Ok(())
+    }
+
+    /// Applies a delta; on a version gap the filter is dropped (no prefix predictions) until the
+    /// snapshot the caller requests arrives.
+    pub fn apply_delta(
+        &mut self,
+        key: &str,
+        conn: ConnId,
+        delta: &CacheDelta,
+    ) -> Result<(), RegistryError> {
+        let pod = self.owned(key, conn)?;
+        let Some(filter) = pod.filter.as_mut() else {
+            return Err(RegistryError::Filter(FilterError::VersionGap {
+                have: 0,
+                delta_base: delta.base_version,
+            }));
+        };
+        if let Err(e) = filter.apply_delta(delta) {
+            pod.filter = None;
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Records that a request was routed to `key`: in flight, sent since the last sample, its
+    /// chain pending until `now + ttl`, picked at `now`.
+    pub fn record_pick(
+        &mut self,
+        key: &str,
+        new_blocks: u32,
+        chain: &[u64],
+        now: Instant,
+        ttl: Duration,
+    ) {
+        let Some(pod) = self.pods.get_mut(key) else {
+            return;
+        };
+        pod.inflight += 1;
+        pod.last_picked = Some(now);
+        pod.sent.push_back(Sent {
+            at: now,
+            new_blocks,
+        });
+        // Bound the memory of a pod that stopped reporting: its oldest sends matter least.
+        while pod.sent.len() > 4096 {
+            pod.sent.pop_front();
+        }
+        if pod.pending.len() > 65_536 {
+            pod.pending.retain(|_, exp| *exp > now);
+        }
+        let expiry = now + ttl;
+        for &h in chain {
+            pod.pending.insert(h, expiry);
+        }
+    }
+
+    /// A request to `key` finished (whatever the outcome).
+    pub fn record_done(&mut self, key: &str) {
+        if let Some(p) = self.pods.get_mut(key) {
+            p.inflight = p.inflight.saturating_sub(1);
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Pod> {
+        self.pods.get(key)
+    }
+
+    pub fn pods(&self) -> impl Iterator<Item = &Pod> {
+        self.pods.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.pods.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+    }
+}

@@ -1,0 +1,31 @@
+use crate::scheduler::{Candidate, Ctx, Scorer};
+
+/// For a LoRA request: 1 where the adapter is already loaded (running or waiting requests use
+/// it), 0 elsewhere, so requests for an adapter gather where it is warm. Neutral (1 everywhere)
+/// for base-model requests.
+pub struct LoraAffinity;
+
+impl Scorer for LoraAffinity {
+    fn name(&self) -> &'static str {
+        "loraAffinity"
+    }
+
+    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
+        let Some(lora) = ctx.lora else {
+            return vec![1.0; cands.len()];
+        };
+        cands
+            .iter()
+            .map(|c| {
+                let loaded = c.pod.load.as_ref().is_some_and(|l| {
+                    l.load
+                        .lora_running
+                        .iter()
+                        .chain(&l.load.lora_waiting)
+                        .any(|a| a == lora)
+                });
+                if loaded { 1.0 } else { 0.0 }
+            })
+            .collect()
+    }
+}

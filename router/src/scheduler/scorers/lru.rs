@@ -1,0 +1,29 @@
+use crate::scheduler::{Candidate, Ctx, Scorer};
+
+/// The pod picked longest ago (or never) scores 1, the most recent 0: among otherwise equal pods
+/// traffic rotates instead of piling onto whichever sorts first.
+pub struct Lru;
+
+impl Scorer for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
+        let n = cands.len();
+        if n <= 1 {
+            return vec![1.0; n];
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        // None (never picked) sorts first; ties by key keep the order deterministic.
+        order.sort_by(|&a, &b| {
+            (cands[a].pod.last_picked, &cands[a].pod.key)
+                .cmp(&(cands[b].pod.last_picked, &cands[b].pod.key))
+        });
+        let mut out = vec![0.0; n];
+        for (rank, i) in order.into_iter().enumerate() {
+            out[i] = 1.0 - rank as f64 / (n - 1) as f64;
+        }
+        out
+    }
+}

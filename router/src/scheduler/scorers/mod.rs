@@ -1,0 +1,31 @@
+//! Scorers: each gives every candidate a value in 0 – 1 (higher is better); the scheduler sums
+//! them with the configured weights. Relative signals (queue, running, latency) are min-max
+//! normalised across the candidates, so equal pods score equally and the weights compare like
+//! with like; absolute signals (prefix fraction, KV headroom) are used as they are.
+
+mod kv_cache;
+mod lora_affinity;
+mod lru;
+mod predicted_latency;
+mod prefix;
+mod queue;
+mod running_requests;
+
+pub use kv_cache::KvCache;
+pub use lora_affinity::LoraAffinity;
+pub use lru::Lru;
+pub use predicted_latency::PredictedLatency;
+pub use prefix::Prefix;
+pub use queue::Queue;
+pub use running_requests::RunningRequests;
+
+/// `1` for the smallest value, `0` for the largest, linear between; all `1` when all are equal.
+pub(crate) fn lower_is_better(values: &[f64]) -> Vec<f64> {
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    // Also covers an empty slice and NaN (no ordering): everyone scores equally.
+    if max.partial_cmp(&min) != Some(std::cmp::Ordering::Greater) {
+        return vec![1.0; values.len()];
+    }
+    values.iter().map(|v| (max - v) / (max - min)).collect()
+}

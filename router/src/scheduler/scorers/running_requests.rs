@@ -1,0 +1,21 @@
+use super::lower_is_better;
+use crate::scheduler::{Candidate, Ctx, Scorer};
+
+/// Fewer running requests (projected) is better: vLLM's own count, so load that bypassed every
+/// router counts too.
+pub struct RunningRequests;
+
+impl Scorer for RunningRequests {
+    fn name(&self) -> &'static str {
+        "runningRequests"
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
+        lower_is_better(
+            &cands
+                .iter()
+                .map(|c| f64::from(c.projection.running))
+                .collect::<Vec<_>>(),
+        )
+    }
+}

@@ -1,0 +1,417 @@
+//! The scheduler's decisions on a registry fed with real protocol messages (hellos, loads,
+//! filter snapshots built by the sidecar-side counting filter). Each test states the behaviour a
+//! blind router gets wrong.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kvsight_protocol::bloom::{CountingFilter, FilterParams};
+use kvsight_protocol::hash::{ChainSeed, hash_chain};
+use kvsight_protocol::messages::*;
+use kvsight_router::config::{PoolConfig, SchedulerConfig};
+use kvsight_router::pods::{ConnId, Registry};
+use kvsight_router::scheduler::{PickError, PickRequest, Scheduler, cached_tokens};
+
+const BS: u32 = 16;
+const MODEL: &str = "m";
+
+fn hello(name: &str, caching: bool) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        instance_id: 1,
+        pod: PodIdentity {
+            name: name.into(),
+            namespace: "ns".into(),
+            url: format!("http://{name}:8000"),
+            labels: BTreeMap::new(),
+        },
+        engine: EngineFacts {
+            block_size: BS,
+            num_gpu_blocks: 1000,
+            prefix_caching: caching,
+            max_num_seqs: 8,
+            max_model_len: 4096,
+            max_num_batched_tokens: Some(2048),
+            engine_version: "0.33.0".into(),
+        },
+        models: vec![MODEL.into()],
+        lora_adapters: vec!["sql-lora".into()],
+        tokenizer: None,
+        sidecar_version: "test".into(),
+        load_interval_ms: 100,
+    }
+}
+
+fn load(running: u32, waiting: u32, kv: f32) -> Load {
+    Load {
+        seq: 1,
+        sample_age_ms: 0,
+        phase: Phase::Ready,
+        cache_view: CacheView::Exact,
+        running,
+        waiting,
+        kv_usage: kv,
+        unrouted: 0,
+        prefix_cache_queries: 0,
+        prefix_cache_hits: 0,
+        preemptions: 0,
+        prefill_tokens_per_s: None,
+        lora_running: vec![],
+        lora_waiting: vec![],
+    }
+}
+
+struct Cluster {
+    reg: Registry,
+    conns: Vec<(String, ConnId)>,
+    now: Instant,
+}
+
+impl Cluster {
+    /// `pods` pods, Ready, idle, with empty filters.
+    fn new(pods: usize, caching: bool) -> Self {
+        let now = Instant::now();
+        let mut reg = Registry::new();
+        let mut conns = Vec::new();
+        for i in 0..pods {
+            let (key, conn) = reg.register(hello(&format!("pod-{i}"), caching), now);
+            reg.apply_load(&key, conn, load(0, 0, 0.0), now).unwrap();
+            let f = CountingFilter::new(FilterParams::for_capacity(1000, 0.01)).unwrap();
+            reg.apply_snapshot(&key, conn, &f.snapshot()).unwrap();
+            conns.push((key, conn));
+        }
+        Cluster { reg, conns, now }
+    }
+
+    /// Pod `i` now holds exactly these canonical blocks.
+    fn holds(&mut self, i: usize, blocks: &[u64]) {
+        let mut f = CountingFilter::new(FilterParams::for_capacity(1000, 0.01)).unwrap();
+        for &b in blocks {
+            f.insert(b);
+        }
+        let _ = f.take_delta();
+        let (key, conn) = &self.conns[i];
+        self.reg.apply_snapshot(key, *conn, &f.snapshot()).unwrap();
+    }
+
+    fn report(&mut self, i: usize, l: Load) {
+        let (key, conn) = self.conns[i].clone();
+        self.reg.apply_load(&key, conn, l, self.now).unwrap();
+    }
+
+    /// Time passes and every pod reports idle again (its requests finished).
+    fn settle(&mut self) {
+        self.now += Duration::from_millis(50);
+        for i in 0..self.conns.len() {
+            let key = self.conns[i].0.clone();
+            while self.reg.get(&key).is_some_and(|p| p.inflight > 0) {
+                self.reg.record_done(&key);
+            }
+            self.report(i, load(0, 0, 0.0));
+        }
+    }
+
+    fn pick(&mut self, s: &Scheduler, tokens: &[u32]) -> Result<String, PickError> {
+        let req = req(tokens);
+        s.pick(&mut self.reg, &req, self.now).map(|d| d.pod)
+    }
+}
+
+/// A request for `MODEL` with these tokens and nothing else set.
+fn req(tokens: &[u32]) -> PickRequest<'_> {
+    PickRequest {
+        model: MODEL,
+        pool: None,
+        prompt_tokens: tokens.len() as u32,
+        tokens: Some(tokens),
+        cache_salt: None,
+        exclude: &[],
+    }
+}
+
+fn prompt(seed: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| seed * 100_000 + i).collect()
+}
+
+fn sched(prefix: f64) -> Scheduler {
+    let mut cfg = SchedulerConfig::default();
+    cfg.weights.prefix = prefix;
+    Scheduler::new(&cfg)
+}
+
+#[test]
+fn shared_prefix_concentrates_and_prefix_weight_zero_spreads() {
+    let p = prompt(1, 700);
+    let chain = hash_chain(&ChainSeed::BASE, &p, BS as usize);
+    let mut c = Cluster::new(3, true);
+    c.holds(2, &chain);
+    let s = sched(3.0);
+    for _ in 0..6 {
+        assert_eq!(c.pick(&s, &p).unwrap(), "ns/pod-2");
+        c.settle();
+    }
+    let s0 = sched(0.0);
+    let mut counts = BTreeMap::new();
+    for _ in 0..6 {
+        *counts.entry(c.pick(&s0, &p).unwrap()).or_insert(0) += 1;
+        c.settle();
+    }
+    assert_eq!(
+        counts.len(),
+        3,
+        "prefix 0 spreads serial requests: {counts:?}"
+    );
+    assert!(counts.values().all(|&n| n == 2), "{counts:?}");
+}
+
+#[test]
+fn a_burst_with_a_new_prefix_lands_together_through_pending_blocks() {
+    let mut c = Cluster::new(4, true);
+    let s = sched(3.0);
+    // No report arrives between the picks: only pending blocks tie them together.
+    let first = c.pick(&s, &prompt(7, 512)).unwrap();
+    for _ in 0..3 {
+        assert_eq!(c.pick(&s, &prompt(7, 512)).unwrap(), first);
+    }
+    // After the TTL, pending blocks no longer attract (nothing was confirmed by the pod).
+    c.now += Duration::from_secs(3);
+    for i in 0..4 {
+        c.report(i, load(0, 0, 0.0));
+    }
+    let d = {
+        let p = prompt(7, 512);
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_eq!(d.matched_blocks, 0);
+}
+
+#[test]
+fn saturated_pods_are_skipped_and_when_all_are_the_shortest_queue_wins() {
+    let p = prompt(2, 300);
+    let chain = hash_chain(&ChainSeed::BASE, &p, BS as usize);
+    let mut c = Cluster::new(3, true);
+    c.holds(0, &chain);
+    c.report(0, load(8, 0, 0.1)); // every slot taken
+    c.report(1, load(1, 1, 0.1)); // one waiting = saturated at maxWaiting 1
+    assert_eq!(c.pick(&sched(3.0), &p).unwrap(), "ns/pod-2");
+    c.report(2, load(2, 3, 0.1));
+    c.report(1, load(1, 2, 0.1));
+    c.report(0, load(8, 5, 0.1));
+    let req = req(&p);
+    let d = sched(3.0).pick(&mut c.reg, &req, c.now).unwrap();
+    assert!(d.all_saturated);
+    assert_eq!(d.pod, "ns/pod-1", "shortest queue");
+}
+
+#[test]
+fn projected_kv_use_keeps_long_prompts_off_a_full_cache() {
+    let p = prompt(3, 1600); // 100 blocks = 10 % of a 1000-block cache
+    let chain = hash_chain(&ChainSeed::BASE, &p[..800], BS as usize);
+    let mut c = Cluster::new(2, true);
+    c.holds(0, &chain); // half the prompt cached on pod-0...
+    c.report(0, load(1, 0, 0.86)); // ...but 86 % + 5 % new blocks > 90 %
+    assert_eq!(c.pick(&sched(3.0), &p).unwrap(), "ns/pod-1");
+    // Prompts sent since the last report count too: pod-1 holds a shared preamble, each request
+    // adds 50 new blocks (5 %); the third would take pod-1 past 90 % before any report says so.
+    let mut c = Cluster::new(2, true);
+    let preamble = prompt(4, 800);
+    c.holds(1, &hash_chain(&ChainSeed::BASE, &preamble, BS as usize));
+    c.report(0, load(0, 0, 0.1));
+    c.report(1, load(0, 0, 0.78));
+    c.now += Duration::from_millis(1);
+    // Only the prefix weight, so the saturation filter alone can move the third request.
+    let mut cfg = SchedulerConfig::default();
+    for w in [
+        &mut cfg.weights.queue,
+        &mut cfg.weights.kv_cache,
+        &mut cfg.weights.running_requests,
+        &mut cfg.weights.lru,
+    ] {
+        *w = 0.0;
+    }
+    let s = Scheduler::new(&cfg);
+    let picks: Vec<String> = (0..3)
+        .map(|i| {
+            let mut p = preamble.clone();
+            p.extend(prompt(40 + i, 800));
+            c.pick(&s, &p).unwrap()
+        })
+        .collect();
+    assert_eq!(picks, ["ns/pod-1", "ns/pod-1", "ns/pod-0"]);
+}
+
+#[test]
+fn load_that_bypassed_the_router_is_seen() {
+    let mut c = Cluster::new(2, true);
+    // Someone runs a benchmark on pod-0 with kubectl exec: vLLM reports it, the router never sent it.
+    c.report(0, load(6, 0, 0.3));
+    let s = sched(3.0);
+    for i in 0..3 {
+        assert_eq!(c.pick(&s, &prompt(10 + i, 200)).unwrap(), "ns/pod-1");
+        c.now += Duration::from_millis(10);
+        c.report(0, load(6, 0, 0.3));
+        c.report(1, load(0, 0, 0.0));
+    }
+}
+
+#[test]
+fn prefix_caching_off_uses_least_request_and_spreads() {
+    let p = prompt(6, 700);
+    let mut c = Cluster::new(3, false);
+    let s = sched(3.0);
+    let mut counts = BTreeMap::new();
+    for _ in 0..9 {
+        let req = req(&p);
+        let d = s.pick(&mut c.reg, &req, c.now).unwrap();
+        assert!(d.least_request);
+        assert!(
+            d.scores
+                .iter()
+                .all(|(n, _)| ["queue", "runningRequests", "lru"].contains(n)),
+            "{:?}",
+            d.scores
+        );
+        *counts.entry(d.pod).or_insert(0) += 1;
+        c.settle();
+    }
+    assert!(counts.values().all(|&n| n == 3), "{counts:?}");
+}
+
+#[test]
+fn not_ready_stale_draining_and_too_long() {
+    let mut c = Cluster::new(2, true);
+    let s = sched(3.0);
+    let mut l = load(0, 0, 0.0);
+    l.phase = Phase::Draining;
+    c.report(0, l.clone());
+    l.phase = Phase::Warming;
+    c.report(1, l);
+    assert_eq!(
+        c.pick(&s, &prompt(1, 10)),
+        Err(PickError::NoReadyPod(MODEL.into()))
+    );
+    c.report(1, load(0, 0, 0.0));
+    assert_eq!(c.pick(&s, &prompt(1, 10)).unwrap(), "ns/pod-1");
+    // Reports stop: after three intervals the pod is stale.
+    c.now += Duration::from_millis(301);
+    assert_eq!(
+        c.pick(&s, &prompt(1, 10)),
+        Err(PickError::NoReadyPod(MODEL.into()))
+    );
+    c.report(1, load(0, 0, 0.0));
+    assert_eq!(
+        c.pick(&s, &prompt(1, 4096)),
+        Err(PickError::TooLong {
+            prompt_tokens: 4096
+        })
+    );
+    assert!(c.pick(&s, &prompt(1, 4095)).is_ok());
+    // A pool window smaller than the pods' max_model_len.
+    let pool = PoolConfig {
+        name: "short".into(),
+        models: vec![MODEL.into()],
+        pod_selector: BTreeMap::new(),
+        context_window: Some(1000),
+        fallback: None,
+    };
+    let p = prompt(1, 1000);
+    let req = PickRequest {
+        model: MODEL,
+        pool: Some(&pool),
+        prompt_tokens: 1000,
+        tokens: Some(&p),
+        cache_salt: None,
+        exclude: &[],
+    };
+    assert_eq!(
+        s.pick(&mut c.reg, &req, c.now),
+        Err(PickError::TooLong {
+            prompt_tokens: 1000
+        })
+    );
+    // An unknown model is not "too long".
+    let req = PickRequest {
+        model: "other",
+        ..req
+    };
+    assert_eq!(
+        s.pick(&mut c.reg, &req, c.now),
+        Err(PickError::NoReadyPod("other".into()))
+    );
+}
+
+#[test]
+fn lora_requests_gather_where_the_adapter_is_loaded_and_salt_separates_chains() {
+    let mut c = Cluster::new(2, true);
+    let mut l = load(0, 0, 0.0);
+    l.lora_running = vec!["sql-lora".into()];
+    c.report(1, l);
+    let p = prompt(8, 64);
+    let req = PickRequest {
+        model: "sql-lora",
+        pool: None,
+        prompt_tokens: 64,
+        tokens: Some(&p),
+        cache_salt: None,
+        exclude: &[],
+    };
+    let s = sched(3.0);
+    assert_eq!(s.pick(&mut c.reg, &req, c.now).unwrap().pod, "ns/pod-1");
+    // A base-model chain on pod-0 does not count for a salted request.
+    let chain = hash_chain(&ChainSeed::BASE, &p, BS as usize);
+    c.holds(0, &chain);
+    let salted = PickRequest {
+        model: MODEL,
+        cache_salt: Some("tenant"),
+        ..req
+    };
+    let d = s.pick(&mut c.reg, &salted, c.now).unwrap();
+    assert_eq!(d.matched_blocks, 0);
+    let plain = PickRequest {
+        cache_salt: None,
+        ..salted
+    };
+    let d = s.pick(&mut c.reg, &plain, c.now).unwrap();
+    assert_eq!(
+        (d.pod.as_str(), d.matched_blocks, d.predicted_cached_tokens),
+        ("ns/pod-0", 4, 48)
+    );
+}
+
+#[test]
+fn cached_tokens_follow_vllms_last_token_rule() {
+    assert_eq!(
+        cached_tokens(4, 16, 64),
+        48,
+        "a fully cached prompt recomputes its last block"
+    );
+    assert_eq!(cached_tokens(4, 16, 65), 64);
+    assert_eq!(cached_tokens(2, 16, 100), 32);
+    assert_eq!(cached_tokens(0, 16, 100), 0);
+}
+
+#[test]
+fn excluded_pods_are_not_picked_and_decisions_explain_themselves() {
+    let mut c = Cluster::new(2, true);
+    let p = prompt(9, 64);
+    let excl = vec!["ns/pod-0".to_string()];
+    let req = PickRequest {
+        model: MODEL,
+        pool: None,
+        prompt_tokens: 64,
+        tokens: Some(&p),
+        cache_salt: None,
+        exclude: &excl,
+    };
+    let d = sched(3.0).pick(&mut c.reg, &req, c.now).unwrap();
+    assert_eq!(d.pod, "ns/pod-1");
+    assert_eq!(d.candidates, 1);
+    assert_eq!(
+        d.scores.len(),
+        6,
+        "every scorer with a weight is reported: {:?}",
+        d.scores
+    );
+    assert_eq!(c.reg.get("ns/pod-1").unwrap().inflight, 1);
+}
