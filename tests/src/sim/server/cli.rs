@@ -63,7 +63,8 @@ pub struct Args {
     /// Report `usage.prompt_tokens_details.cached_tokens`.
     #[arg(long)]
     pub enable_prompt_tokens_details: bool,
-    /// Simulator: a folder with `tokenizer.json` and `tokenizer_config.json`.
+    /// Simulator: a folder with `tokenizer.json` and `tokenizer_config.json`; `builtin` for the
+    /// byte-level codec. Default: the project's own tokenizer (built once under target/).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Simulator: prefill throughput, uncached prompt tokens per second.
@@ -239,7 +240,17 @@ impl Args {
             }),
             None => None,
         };
-        let tokenizer = match &self.tokenizer {
+        let own;
+        let dir = match &self.tokenizer {
+            Some(dir) if dir.as_os_str() == "builtin" => None,
+            Some(dir) => Some(dir),
+            None => {
+                own = crate::own_tokenizer::ensure_dir()
+                    .map_err(|e| flag("tokenizer", format!("own tokenizer: {e}")))?;
+                Some(&own)
+            }
+        };
+        let tokenizer = match dir {
             Some(dir) => {
                 let read = |f: &str| {
                     std::fs::read(dir.join(f))

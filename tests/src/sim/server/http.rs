@@ -181,16 +181,12 @@ impl Inner {
                 .collect()
         };
         match body.get("prompt") {
-            Some(Value::String(s)) => Ok(vec![self.codec.encode_completion(s)]),
+            Some(Value::String(s)) => Ok(vec![self.encode(s)?]),
             Some(Value::Array(items)) if items.is_empty() => Err(bad()),
             Some(Value::Array(items)) => match &items[0] {
                 Value::String(_) => items
                     .iter()
-                    .map(|i| {
-                        i.as_str()
-                            .map(|s| self.codec.encode_completion(s))
-                            .ok_or_else(bad)
-                    })
+                    .map(|i| i.as_str().ok_or_else(bad).and_then(|s| self.encode(s)))
                     .collect(),
                 Value::Number(_) => Ok(vec![ids(items)?]),
                 Value::Array(_) => items
@@ -203,26 +199,23 @@ impl Inner {
         }
     }
 
+    fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.codec
+            .encode_completion(text)
+            .map_err(|e| ApiError::bad_request(e, None))
+    }
+
     fn chat_prompt(&self, body: &Value) -> Result<Vec<u32>, ApiError> {
-        let messages = body
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or_else(|| {
-                ApiError::validation(
-                    "1 validation error:\n  {'type': 'missing', 'loc': 'body.messages', 'msg': \
-                     'Field required'}",
-                    Some("body.messages"),
-                )
-            })?;
-        let add_generation_prompt = body
-            .get("add_generation_prompt")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
-        let rendered = self
-            .codec
-            .render_chat(messages, add_generation_prompt)
-            .map_err(|e| ApiError::bad_request(e, None))?;
-        Ok(self.codec.encode_chat(&rendered))
+        if !body.get("messages").is_some_and(Value::is_array) {
+            return Err(ApiError::validation(
+                "1 validation error:\n  {'type': 'missing', 'loc': 'body.messages', 'msg': \
+                 'Field required'}",
+                Some("body.messages"),
+            ));
+        }
+        self.codec
+            .encode_chat(body)
+            .map_err(|e| ApiError::bad_request(e, None))
     }
 
     fn check_len(&self, prompt: &[u32]) -> Result<(), ApiError> {
@@ -286,6 +279,7 @@ fn gen_params(body: &Value, chat: bool) -> Result<GenParams, ApiError> {
 /// Per-prompt progress of one HTTP request.
 #[derive(Default, Clone)]
 struct Choice {
+    ids: Vec<u32>,
     text: String,
     tokens: usize,
     cached: usize,
@@ -377,14 +371,16 @@ impl Submitted {
                         continue;
                     };
                     let c = &mut choices[i];
-                    let text = self
-                        .state
-                        .inner
-                        .codec
-                        .decode(&out.new_token_ids, c.tokens == 0);
+                    c.ids.extend_from_slice(&out.new_token_ids);
+                    // Decode everything so far and send the growth, as vLLM's incremental
+                    // detokenizer does (a token may complete a multi-byte character).
+                    let full = self.state.inner.codec.decode(&c.ids);
+                    let text = full
+                        .strip_prefix(c.text.as_str())
+                        .map_or_else(|| full.clone(), str::to_owned);
+                    c.text = full;
                     c.tokens += out.new_token_ids.len();
                     c.cached = out.num_cached_tokens;
-                    c.text.push_str(&text);
                     c.finish = out.finished.map(|f| f.as_str());
                     return Ok(Some((i, text)));
                 }
@@ -606,9 +602,12 @@ async fn tokenize(State(state): State<AppState>, body: Bytes) -> Result<Response
             ));
         };
         if add_special {
-            inner.codec.encode_completion(prompt)
+            inner.encode(prompt)?
         } else {
-            inner.codec.encode_chat(prompt)
+            inner
+                .codec
+                .encode_plain(prompt)
+                .map_err(|e| ApiError::bad_request(e, None))?
         }
     };
     Ok(axum::Json(json!({

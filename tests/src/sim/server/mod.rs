@@ -132,8 +132,13 @@ impl SimPod {
         if config.served_model_names.is_empty() {
             return Err(StartError::NoModelName);
         }
-        let engine = Engine::new(config.engine.clone())?;
         let codec = text::Codec::new(config.tokenizer.as_ref()).map_err(StartError::Tokenizer)?;
+        let mut engine_config = config.engine.clone();
+        if let Some(vocab) = codec.vocab_size().and_then(|v| u32::try_from(v).ok()) {
+            // Generated ids must be ids the tokenizer can decode.
+            engine_config.vocab_size = engine_config.vocab_size.min(vocab).max(1);
+        }
+        let engine = Engine::new(engine_config)?;
         let publisher = match &config.kv_events {
             Some(pc) => Some(Arc::new(KvEventPublisher::bind(pc.clone()).await?)),
             None => None,
