@@ -43,9 +43,10 @@ pub(crate) enum Command {
     SetSlowdown(f64),
 }
 
-/// The message vLLM's front end reports when the engine core died.
+/// What vLLM 0.33 tells clients when the engine core died (`EngineDeadError.CLIENT_MESSAGE`,
+/// sent as a 500 `InternalServerError`).
 pub(crate) const ENGINE_DEAD_MESSAGE: &str =
-    "EngineCore encountered an issue. See stack trace (above) for the root cause.";
+    "The server had an error while processing your request.";
 
 /// State read by HTTP handlers without going through the driver.
 #[derive(Debug)]

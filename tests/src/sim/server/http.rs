@@ -430,6 +430,10 @@ fn data(v: &Value) -> Bytes {
 
 const DONE: &[u8] = b"data: [DONE]\n\n";
 
+fn error_event(e: &ApiError) -> Bytes {
+    Bytes::from(format!("data: {}\n\n", e.stream_body()))
+}
+
 async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let inner = &state.inner;
@@ -484,7 +488,7 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
                 Ok(None) => break,
                 Err(e) => {
                     sub.abort_rest(&choices);
-                    let _ = tx.send(data(&ApiError::internal(e).body())).await;
+                    let _ = tx.send(error_event(&ApiError::internal(e))).await;
                     let _ = tx.send(Bytes::from_static(DONE)).await;
                     return;
                 }
@@ -562,7 +566,7 @@ async fn chat_completions(
                 Ok(None) => break,
                 Err(e) => {
                     sub.abort_rest(&choices);
-                    let _ = tx.send(data(&ApiError::internal(e).body())).await;
+                    let _ = tx.send(error_event(&ApiError::internal(e))).await;
                     let _ = tx.send(Bytes::from_static(DONE)).await;
                     return;
                 }

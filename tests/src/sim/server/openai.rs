@@ -67,6 +67,69 @@ impl ApiError {
             }
         })
     }
+    /// The body as an SSE `data:` payload. vLLM writes stream errors with Python's
+    /// `json.dumps` defaults (`", "` and `": "` separators, non-ASCII escaped), unlike its
+    /// compact HTTP error bodies.
+    pub(crate) fn stream_body(&self) -> String {
+        python_dumps(&self.body())
+    }
+}
+
+/// `json.dumps(value)` with Python's default separators and `ensure_ascii=True`.
+pub(crate) fn python_dumps(v: &Value) -> String {
+    let mut out = String::new();
+    dump(v, &mut out);
+    out
+}
+
+fn dump(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(map) => {
+            out.push('{');
+            for (i, (k, v)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                dump_str(k, out);
+                out.push_str(": ");
+                dump(v, out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                dump(v, out);
+            }
+            out.push(']');
+        }
+        Value::String(s) => dump_str(s, out),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+fn dump_str(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 impl IntoResponse for ApiError {
@@ -298,4 +361,18 @@ pub(crate) fn validate_cache_salt(salt: Option<&Value>) -> Result<Option<String>
         ));
     }
     Ok(Some(s.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_dumps_matches_json_dumps_defaults() {
+        let v = json!({"a": [1, null, true], "b": "é\"\n", "c": {"d": 2.5}});
+        assert_eq!(
+            python_dumps(&v),
+            r#"{"a": [1, null, true], "b": "\u00e9\"\n", "c": {"d": 2.5}}"#
+        );
+    }
 }
