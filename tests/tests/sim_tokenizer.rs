@@ -17,19 +17,14 @@ const PHI3_DIR: &str = concat!(
 );
 
 fn files(dir: &std::path::Path) -> TokenizerFiles {
-    TokenizerFiles {
-        tokenizer_json: std::fs::read(dir.join("tokenizer.json")).expect("tokenizer.json"),
-        tokenizer_config: std::fs::read(dir.join("tokenizer_config.json"))
-            .expect("tokenizer_config.json"),
-    }
+    TokenizerFiles::from_dir(dir).expect("tokenizer files")
 }
 
 #[tokio::test]
 async fn own_tokenizer_over_http() -> anyhow::Result<()> {
-    let dir = own_tokenizer::ensure_dir()?;
     let direct = own_tokenizer::load()?;
     let pod = SimPod::start(SimConfig {
-        tokenizer: Some(files(&dir)),
+        tokenizer: Some(TokenizerFiles::own()?),
         enable_prompt_tokens_details: true,
         ..SimConfig::default()
     })

@@ -251,16 +251,10 @@ impl Args {
             }
         };
         let tokenizer = match dir {
-            Some(dir) => {
-                let read = |f: &str| {
-                    std::fs::read(dir.join(f))
-                        .map_err(|e| flag("tokenizer", format!("{}: {e}", dir.join(f).display())))
-                };
-                Some(TokenizerFiles {
-                    tokenizer_json: read("tokenizer.json")?,
-                    tokenizer_config: read("tokenizer_config.json")?,
-                })
-            }
+            Some(dir) => Some(
+                TokenizerFiles::from_dir(dir)
+                    .map_err(|e| flag("tokenizer", format!("{}: {e}", dir.display())))?,
+            ),
             None => None,
         };
         if self.served_model_name.is_empty() {

@@ -64,6 +64,24 @@ pub struct TokenizerFiles {
     pub tokenizer_config: Vec<u8>,
 }
 
+impl TokenizerFiles {
+    /// Reads `tokenizer.json` and `tokenizer_config.json` from a model directory.
+    pub fn from_dir(dir: &std::path::Path) -> std::io::Result<Self> {
+        Ok(Self {
+            tokenizer_json: std::fs::read(dir.join("tokenizer.json"))?,
+            tokenizer_config: std::fs::read(dir.join("tokenizer_config.json"))?,
+        })
+    }
+
+    /// The project's own tokenizer (trained once, cached under `target/`), as `vllm-sim` uses
+    /// by default; give the router the same files so both sides tokenize alike.
+    pub fn own() -> Result<Self, crate::own_tokenizer::OwnTokenizerError> {
+        let dir = crate::own_tokenizer::ensure_dir()?;
+        Self::from_dir(&dir)
+            .map_err(|source| crate::own_tokenizer::OwnTokenizerError::Io { path: dir, source })
+    }
+}
+
 impl Default for SimConfig {
     fn default() -> Self {
         Self {
