@@ -491,3 +491,58 @@ async fn compile_stall_once_per_bucket() -> anyhow::Result<()> {
     assert!(ttfts[2] >= 0.2, "{ttfts:?}");
     Ok(())
 }
+
+const METRICS_FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/fixtures/vllm/metrics-0.33.txt"
+);
+
+#[tokio::test]
+async fn metrics_have_the_fixture_names_types_and_labels() -> anyhow::Result<()> {
+    let Ok(fixture) = std::fs::read_to_string(METRICS_FIXTURE) else {
+        eprintln!(
+            "skipped: metrics_have_the_fixture_names_types_and_labels: fixture {METRICS_FIXTURE} absent"
+        );
+        return Ok(());
+    };
+    let p = pod(SimConfig {
+        lora_modules: vec![("sql-lora".into(), "/a".into())],
+        ..details_config()
+    })
+    .await;
+    post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+    )
+    .await?;
+    let ours = get(p.http_addr(), "/metrics").await?.text();
+    // Every HELP and TYPE line of vLLM 0.33's exposition, verbatim.
+    for line in fixture.lines().filter(|l| l.starts_with("# ")) {
+        assert!(ours.lines().any(|l| l == line), "missing {line:?}");
+    }
+    // Every sample name with the same label keys (and `le` bounds) as vLLM's.
+    use std::collections::BTreeSet;
+    let keys = |text: &str| -> anyhow::Result<BTreeSet<(String, Vec<String>, Option<String>)>> {
+        Ok(kvsight_sidecar::scrape::samples(text)?
+            .into_iter()
+            .map(|s| {
+                let le = s.labels.get("le").cloned();
+                let names = s.labels.keys().map(|k| (*k).to_owned()).collect();
+                (s.name.to_owned(), names, le)
+            })
+            .collect())
+    };
+    let (want, have) = (keys(&fixture)?, keys(&ours)?);
+    let missing: Vec<_> = want.difference(&have).collect();
+    // The fixture's prefill-token buckets stop at its max_model_len; ours at 4096.
+    let missing: Vec<_> = missing
+        .into_iter()
+        .filter(|(n, _, le)| {
+            !(n == "vllm:request_prefill_kv_computed_tokens_bucket"
+                && le.as_deref().and_then(|v| v.parse::<f64>().ok()) > Some(4096.0))
+        })
+        .collect();
+    assert!(missing.is_empty(), "samples missing: {missing:?}");
+    Ok(())
+}
