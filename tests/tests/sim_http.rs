@@ -523,7 +523,9 @@ async fn metrics_have_the_fixture_names_types_and_labels() -> anyhow::Result<()>
     }
     // Every sample name with the same label keys (and `le` bounds) as vLLM's.
     use std::collections::BTreeSet;
-    let keys = |text: &str| -> anyhow::Result<BTreeSet<(String, Vec<String>, Option<String>)>> {
+    /// (sample name, label keys, `le` value)
+    type Shape = (String, Vec<String>, Option<String>);
+    let keys = |text: &str| -> anyhow::Result<BTreeSet<Shape>> {
         Ok(kvsight_sidecar::scrape::samples(text)?
             .into_iter()
             .map(|s| {
