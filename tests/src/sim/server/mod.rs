@@ -321,7 +321,7 @@ impl Drop for SimPodHandle {
 }
 
 /// Maps `--kv-events-format` and `--replay-layout` words to the publisher's enums.
-pub fn parse_layouts(format: &str, replay: &str) -> Option<(Layout, ReplayLayout)> {
+pub(crate) fn parse_layouts(format: &str, replay: &str) -> Option<(Layout, ReplayLayout)> {
     let layout = match format {
         "map" => Layout::Map,
         "array" => Layout::Array,
