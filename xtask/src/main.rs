@@ -46,8 +46,12 @@ fn main() -> Result<()> {
     }
 }
 
-/// The cargo-fuzz crates, one per decoder; each is its own workspace with a seed corpus.
-const FUZZ_CRATES: [&str; 2] = ["protocol/fuzz", "sidecar/fuzz"];
+/// The cargo-fuzz crates (package, folder), one per decoder, each with a seed corpus. They are
+/// workspace members outside `default-members`, so fmt and clippy above already cover them.
+const FUZZ_CRATES: [(&str, &str); 2] = [
+    ("kvsight-protocol-fuzz", "protocol/fuzz"),
+    ("kvsight-sidecar-fuzz", "sidecar/fuzz"),
+];
 
 fn workspace_root() -> PathBuf {
     // CARGO_MANIFEST_DIR is xtask/; its parent is the workspace root.
@@ -61,25 +65,6 @@ fn ci(root: &Path) -> Result<()> {
     let started = Instant::now();
     ensure_components()?;
     step("cargo fmt --check", &["fmt", "--all", "--", "--check"])?;
-    for dir in FUZZ_CRATES {
-        let manifest = format!("{dir}/Cargo.toml");
-        step(
-            &format!("cargo fmt --check ({dir})"),
-            &["fmt", "--manifest-path", &manifest, "--", "--check"],
-        )?;
-        step(
-            &format!("cargo clippy ({dir})"),
-            &[
-                "clippy",
-                "--manifest-path",
-                &manifest,
-                "--locked",
-                "--",
-                "-D",
-                "warnings",
-            ],
-        )?;
-    }
     step(
         "cargo clippy",
         &[
@@ -109,8 +94,8 @@ fn ci(root: &Path) -> Result<()> {
             "--no-run",
         ],
     )?;
-    for dir in FUZZ_CRATES {
-        build_and_replay_fuzz(root, dir)?;
+    for (package, dir) in FUZZ_CRATES {
+        build_and_replay_fuzz(root, package, dir)?;
     }
     println!(
         "xtask ci: all steps passed in {:.0} s; tests that skipped themselves: {}",
@@ -186,13 +171,12 @@ fn count_before(line: &str, what: &str) -> u64 {
 /// CI machines have only stable, so CI proves that the targets build and that no seed input
 /// crashes the decoder. A plain build of a libfuzzer-sys target still links libFuzzer's driver,
 /// which runs a corpus with `-runs=0`.
-fn build_and_replay_fuzz(root: &Path, dir: &str) -> Result<()> {
-    let manifest = format!("{dir}/Cargo.toml");
+fn build_and_replay_fuzz(root: &Path, package: &str, dir: &str) -> Result<()> {
     step(
-        &format!("fuzz targets build ({dir})"),
-        &["build", "--manifest-path", &manifest, "--locked"],
+        &format!("fuzz targets build ({package})"),
+        &["build", "--package", package, "--locked"],
     )?;
-    let target_dir = root.join(dir).join("target/debug");
+    let target_dir = root.join("target/debug");
     let corpus_root = root.join(dir).join("corpus");
     for entry in std::fs::read_dir(&corpus_root).context("reading the fuzz corpus folder")? {
         let entry = entry?;
