@@ -330,6 +330,12 @@ impl BloomFilter {
     /// A chain prepared for another shape is a caller bug: it matches nothing (0), and debug
     /// builds assert.
     pub fn longest_prefix_prepared(&self, chain: &PreparedChain) -> usize {
+        self.present_run_prepared(chain, 0)
+    }
+
+    /// How many consecutive blocks of a prepared chain are present starting at block `start`
+    /// (0 when `start` is past the end or the chain was prepared for another shape).
+    pub fn present_run_prepared(&self, chain: &PreparedChain, start: usize) -> usize {
         debug_assert_eq!(
             chain.params, self.params,
             "chain prepared for another shape"
@@ -337,11 +343,11 @@ impl BloomFilter {
         if chain.params != self.params {
             return 0;
         }
-        chain
-            .probes
+        let probes = chain.probes.get(start..).unwrap_or(&[]);
+        probes
             .iter()
             .position(|&(line, positions)| !self.lines[line as usize].contains(positions))
-            .unwrap_or(chain.probes.len())
+            .unwrap_or(probes.len())
     }
 
     /// The filter's shape.

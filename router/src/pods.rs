@@ -11,9 +11,10 @@
 //! connection closes (QUIC's idle timeout closes dead connections within seconds).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvsight_protocol::bloom::{BloomFilter, FilterError};
+use kvsight_protocol::bloom::{BloomFilter, FilterError, PreparedChain};
 use kvsight_protocol::messages::{CacheDelta, CacheSnapshot, Hello, Load, Phase};
 
 /// Identifies one accepted connection; stale messages carry an old id.
@@ -48,10 +49,17 @@ pub struct Pod {
     pub inflight: u32,
     pub last_picked: Option<Instant>,
     sent: VecDeque<Sent>,
-    /// Canonical block hashes of prompts routed here, until their TTL: a burst sharing a new
-    /// prefix lands together instead of scattering before the first prefill is reported.
-    pending: HashMap<u64, Instant>,
+    /// Chains of prompts routed here, until their TTL, indexed by their first block: a burst
+    /// sharing a new prefix lands together instead of scattering before the first prefill is
+    /// reported. Whole chains (one shared allocation per pick) rather than one entry per block,
+    /// because a chain hash commits to everything before it: the pending match of a request is
+    /// its longest common prefix with one of these chains.
+    pending: HashMap<u64, Vec<(Arc<[u64]>, Instant)>>,
+    pending_chains: usize,
 }
+
+/// Most pending chains remembered per pod; beyond it the oldest are dropped first.
+const MAX_PENDING_CHAINS: usize = 4096;
 
 /// The load the scheduler should assume: the last report plus what was sent since its sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,18 +127,37 @@ impl Pod {
         }
     }
 
-    /// Whether `hash` is pending (routed here recently and not yet expired).
-    pub fn is_pending(&self, hash: u64, now: Instant) -> bool {
-        self.pending.get(&hash).is_some_and(|&exp| exp > now)
+    /// Leading blocks of `chain` that a prompt routed here within the TTL shares.
+    pub fn pending_blocks(&self, chain: &[u64], now: Instant) -> usize {
+        let Some(first) = chain.first() else { return 0 };
+        self.pending.get(first).map_or(0, |chains| {
+            chains
+                .iter()
+                .filter(|(_, exp)| *exp > now)
+                .map(|(c, _)| c.iter().zip(chain).take_while(|(a, b)| a == b).count())
+                .max()
+                .unwrap_or(0)
+        })
     }
 
-    /// Number of leading blocks of `chain` resident (filter) or pending.
-    pub fn matched_blocks(&self, chain: &[u64], now: Instant) -> usize {
-        let filter = self.filter.as_ref();
-        chain
-            .iter()
-            .position(|&h| !(filter.is_some_and(|f| f.contains(h)) || self.is_pending(h, now)))
-            .unwrap_or(chain.len())
+    /// Number of leading blocks of `chain` pending or resident: the pending prefix, then the
+    /// run of blocks the filter holds after it. `prepared` must be `chain` prepared for this
+    /// pod's filter shape when given (the scheduler shares one per shape across pods).
+    pub fn matched_blocks(
+        &self,
+        chain: &[u64],
+        prepared: Option<&PreparedChain>,
+        now: Instant,
+    ) -> usize {
+        let pending = self.pending_blocks(chain, now);
+        let Some(filter) = &self.filter else {
+            return pending;
+        };
+        let run = match prepared.filter(|p| p.params() == filter.params()) {
+            Some(p) => filter.present_run_prepared(p, pending),
+            None => filter.longest_prefix(&chain[pending..]),
+        };
+        pending + run
     }
 }
 
@@ -175,6 +202,7 @@ impl Registry {
             last_picked: None,
             sent: VecDeque::new(),
             pending: HashMap::new(),
+            pending_chains: 0,
         };
         // A replaced pod keeps this router's in-flight count: those requests are still running.
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
@@ -280,13 +308,27 @@ impl Registry {
         while pod.sent.len() > 4096 {
             pod.sent.pop_front();
         }
-        if pod.pending.len() > 65_536 {
-            pod.pending.retain(|_, exp| *exp > now);
+        let Some(&first) = chain.first() else { return };
+        if pod.pending_chains >= MAX_PENDING_CHAINS {
+            pod.pending.retain(|_, chains| {
+                chains.retain(|(_, exp)| *exp > now);
+                !chains.is_empty()
+            });
+            pod.pending_chains = pod.pending.values().map(Vec::len).sum();
+            if pod.pending_chains >= MAX_PENDING_CHAINS {
+                // Still full of live entries: forget the soonest to expire.
+                if let Some(chains) = pod.pending.values_mut().max_by_key(|c| c.len()) {
+                    chains.remove(0);
+                    pod.pending_chains -= 1;
+                }
+            }
         }
-        let expiry = now + ttl;
-        for &h in chain {
-            pod.pending.insert(h, expiry);
-        }
+        let chains = pod.pending.entry(first).or_default();
+        let before = chains.len();
+        chains.retain(|(_, exp)| *exp > now);
+        let expired = before - chains.len();
+        chains.push((Arc::from(chain), now + ttl));
+        pod.pending_chains = pod.pending_chains - expired + 1;
     }
 
     /// A request to `key` finished (whatever the outcome).

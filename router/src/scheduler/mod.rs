@@ -14,6 +14,7 @@ pub mod scorers;
 
 use std::time::Instant;
 
+use kvsight_protocol::bloom::{FilterParams, PreparedChain};
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 
 use crate::config::{PoolConfig, SchedulerConfig};
@@ -184,8 +185,10 @@ impl Scheduler {
             lora,
             cache_salt: req.cache_salt,
         };
-        // One chain per block size among the pods (usually one).
+        // One chain per block size among the pods (usually one), and its probe positions once per
+        // filter shape (pods of one model share both), so probing a pod is only memory loads.
         let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
+        let mut prepared: Vec<(u32, FilterParams, PreparedChain)> = Vec::new();
         // Set when a pod that serves the model and is ready cannot hold the prompt.
         let mut too_long = false;
         let mut eligible: Vec<Candidate<'_>> = Vec::new();
@@ -204,8 +207,21 @@ impl Scheduler {
             };
             let chain = &chains[chain_index].1;
             let caching = pod.hello.engine.prefix_caching;
+            let probe = match &pod.filter {
+                Some(f) if caching && !chain.is_empty() => {
+                    let params = f.params();
+                    let found = prepared
+                        .iter()
+                        .position(|(b, p, _)| *b == bs && *p == params);
+                    Some(found.unwrap_or_else(|| {
+                        prepared.push((bs, params, params.prepare(chain)));
+                        prepared.len() - 1
+                    }))
+                }
+                _ => None,
+            };
             let matched = if caching {
-                pod.matched_blocks(chain, now)
+                pod.matched_blocks(chain, probe.map(|i| &prepared[i].2), now)
             } else {
                 0
             };
