@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::time::{Instant, MissedTickBehavior, timeout};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use kvsight_protocol::frame::FrameError;
@@ -25,12 +26,16 @@ use crate::state::State;
 
 /// How long a new connection may take to open its stream and say `Hello`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on waiting for a sidecar to read our `Goodbye` and close.
+pub const GOODBYE_GRACE: Duration = Duration::from_millis(300);
 /// Bound on waiting for sidecars to acknowledge the close at shutdown.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Accepts sidecars until `stop` is cancelled, then closes every connection with
 /// [`CloseReason::Shutdown`].
 pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: CancellationToken) {
+    // Connections have their own tracker: the HTTP drain waits for streams, not for pods.
+    let conns = TaskTracker::new();
     loop {
         let incoming = tokio::select! {
             _ = stop.cancelled() => break,
@@ -41,7 +46,7 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: Cancellat
         };
         let (state, stop) = (state.clone(), stop.clone());
         let remote = incoming.remote_address();
-        state.tracker.clone().spawn(
+        conns.spawn(
             async move {
                 if let Err(e) = connection(incoming, state, stop).await {
                     debug!(error = %e, "sidecar connection ended");
@@ -50,6 +55,9 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: Cancellat
             .instrument(info_span!("sidecar", %remote)),
         );
     }
+    // Each connection says Goodbye and closes itself; then the endpoint closes what is left.
+    conns.close();
+    let _ = timeout(CLOSE_GRACE, conns.wait()).await;
     endpoint.close(CloseReason::Shutdown.code().into(), b"router shutting down");
     let _ = timeout(CLOSE_GRACE, endpoint.wait_idle()).await;
 }
@@ -166,6 +174,10 @@ async fn session(
                     reason: CloseReason::Shutdown,
                     message: "router shutting down".into(),
                 })).await;
+                let _ = send.finish();
+                // A close discards unsent stream data: give the Goodbye a bounded moment (a
+                // sidecar closes as soon as it reads it).
+                let _ = timeout(GOODBYE_GRACE, conn.closed()).await;
                 close(conn, CloseReason::Shutdown, "router shutting down");
                 return Ok(());
             }

@@ -98,8 +98,8 @@ pub fn spawn_watcher(
             source,
         })?;
     let mut last = std::fs::read(&path).ok();
-    let tracker = state.tracker.clone();
-    tracker.spawn(async move {
+    // Not on the state's tracker: that one is drained for in-flight streams only.
+    tokio::spawn(async move {
         // The watcher lives as long as this task.
         let _watcher = watcher;
         loop {

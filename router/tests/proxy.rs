@@ -67,10 +67,7 @@ async fn fixed_pod(name: &'static str, status: StatusCode, body: Value) -> Strin
 
 /// A pod that never answers.
 async fn silent_pod() -> String {
-    let router = Router::new().route(
-        "/v1/completions",
-        post(|| std::future::pending::<StatusCode>()),
-    );
+    let router = Router::new().route("/v1/completions", post(std::future::pending::<StatusCode>));
     format!("http://{}", serve(router).await)
 }
 
