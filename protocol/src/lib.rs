@@ -5,7 +5,9 @@
 //! - [`bloom`]: the Bloom filter of resident blocks, its snapshots and deltas;
 //! - [`messages`]: the messages, one enum per direction, versioned by [`PROTOCOL_VERSION`];
 //! - [`frame`]: length-prefixed postcard frames with a size limit and typed decode errors;
-//! - [`tokenizer_transfer`]: chunking a model's tokenizer files for the wire.
+//! - [`tokenizer_transfer`]: chunking a model's tokenizer files for the wire;
+//! - `tokenizer` (feature `tokenizer`): tokenizing exactly as vLLM does, so the router's chain
+//!   equals the one the sidecar computes from the engine's own token ids.
 //!
 //! Like `quinn-proto` under `quinn`, this crate does no I/O at all: no tokio, no sockets, no
 //! files. The sidecar and the router own their transports and drive these types.
@@ -14,6 +16,8 @@ pub mod bloom;
 pub mod frame;
 pub mod hash;
 pub mod messages;
+#[cfg(feature = "tokenizer")]
+pub mod tokenizer;
 pub mod tokenizer_transfer;
 
 pub use bloom::{BloomFilter, CountingFilter, FilterError, FilterParams};

@@ -78,16 +78,30 @@ pub enum RunError {
     Reload(#[from] reload::ReloadError),
     #[error("HTTP server: {0}")]
     Http(#[source] std::io::Error),
+    #[error("tokenizers.{model}: {message}")]
+    Tokenizer { model: String, message: String },
 }
 
 /// Builds the shared state for `cfg` (exposed so tests can look inside a running router).
+/// Local tokenizers named in the config are loaded here, before any port serves.
 pub fn build_state(cfg: &RunConfig, shutdown: &CancellationToken) -> Result<Arc<State>, RunError> {
-    Ok(State::new(
+    let state = State::new(
         cfg.config.clone(),
         cfg.router_id.clone(),
         cfg.tokenizer_loader.clone(),
         shutdown.clone(),
-    )?)
+    )?;
+    for (model, dir) in &cfg.config.tokenizers {
+        let err = |message: String| RunError::Tokenizer {
+            model: model.clone(),
+            message,
+        };
+        let files = tokenize::read_dir(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
+        let tok = tokenize::model_tokenizer(&files).map_err(|e| err(e.to_string()))?;
+        state.tokenizers.insert(model, files.digest(), tok);
+        info!(%model, dir = %dir.display(), "local tokenizer loaded");
+    }
+    Ok(state)
 }
 
 /// Runs the router until `shutdown` is cancelled, then drains.

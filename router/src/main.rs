@@ -10,7 +10,7 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use kvsight_router::config::RouterConfig;
-use kvsight_router::{Listeners, RunConfig};
+use kvsight_router::{Listeners, RunConfig, RunError};
 use kvsight_transport::TlsMaterial;
 
 /// sysexits' EX_CONFIG-adjacent EX_USAGE: the configuration is wrong, restarting will not help.
@@ -83,6 +83,11 @@ fn main() -> ExitCode {
     };
     match rt.block_on(serve(&args, cfg)) {
         Ok(()) => ExitCode::SUCCESS,
+        // A configured tokenizer folder that cannot be read is a configuration error too.
+        Err(e) if matches!(e.downcast_ref(), Some(RunError::Tokenizer { .. })) => {
+            eprintln!("kvsight-router: configuration error: {e:#}");
+            ExitCode::from(EXIT_CONFIG)
+        }
         Err(e) => {
             eprintln!("kvsight-router: {e:#}");
             ExitCode::FAILURE
@@ -109,7 +114,7 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
         router_id,
         ready_delay: secs("ready-delay-seconds", args.ready_delay_seconds)?,
         grace: secs("grace-seconds", args.grace_seconds)?,
-        tokenizer_loader: None,
+        tokenizer_loader: Some(kvsight_router::tokenize::default_loader()),
     })
 }
 

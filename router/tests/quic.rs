@@ -297,3 +297,57 @@ async fn shutdown_says_goodbye_and_closes_with_the_shutdown_code() {
     r.task.await.unwrap().unwrap();
     assert!(r.state.is_draining());
 }
+
+#[tokio::test]
+async fn shutdown_lets_an_in_flight_stream_finish_and_refuses_new_requests() {
+    use axum::body::{Body, Bytes};
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    let rx = Arc::new(std::sync::Mutex::new(Some(rx)));
+    let pod = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(move || {
+            let rx = rx.lock().unwrap().take().unwrap();
+            async move {
+                axum::response::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(
+                        tokio_stream::wrappers::ReceiverStream::new(rx),
+                    ))
+                    .unwrap()
+            }
+        }),
+    );
+    let pod_url = format!("http://{}", common::serve(pod).await);
+    add_pod(&r.state, "a", &pod_url, &[], 0);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let mut resp = http
+        .post(format!("http://{}/v1/completions", r.http))
+        .body(r#"{"model":"m","prompt":"x","stream":true}"#)
+        .send()
+        .await
+        .unwrap();
+    tx.send(Ok(Bytes::from_static(b"data: {\"a\":1}\n\n")))
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+
+    r.shutdown.cancel();
+    eventually("drain begins", || r.state.is_draining()).await;
+    // The stream still runs to its natural end.
+    tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+        .await
+        .unwrap();
+    drop(tx);
+    let rest = tokio::time::timeout(Duration::from_secs(5), resp.text())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rest, "data: [DONE]\n\n");
+    tokio::time::timeout(Duration::from_secs(5), r.task)
+        .await
+        .expect("run returns once the stream ended, before the grace period")
+        .unwrap()
+        .unwrap();
+}

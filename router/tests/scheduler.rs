@@ -112,15 +112,20 @@ impl Cluster {
     }
 
     fn pick(&mut self, s: &Scheduler, tokens: &[u32]) -> Result<String, PickError> {
-        let req = PickRequest {
-            model: MODEL,
-            pool: None,
-            prompt_tokens: tokens.len() as u32,
-            tokens: Some(tokens),
-            cache_salt: None,
-            exclude: &[],
-        };
+        let req = req(tokens);
         s.pick(&mut self.reg, &req, self.now).map(|d| d.pod)
+    }
+}
+
+/// A request for `MODEL` with these tokens and nothing else set.
+fn req(tokens: &[u32]) -> PickRequest<'_> {
+    PickRequest {
+        model: MODEL,
+        pool: None,
+        prompt_tokens: tokens.len() as u32,
+        tokens: Some(tokens),
+        cache_salt: None,
+        exclude: &[],
     }
 }
 
@@ -175,14 +180,7 @@ fn a_burst_with_a_new_prefix_lands_together_through_pending_blocks() {
     }
     let d = {
         let p = prompt(7, 512);
-        let req = PickRequest {
-            model: MODEL,
-            pool: None,
-            prompt_tokens: 512,
-            tokens: Some(&p),
-            cache_salt: None,
-            exclude: &[],
-        };
+        let req = req(&p);
         s.pick(&mut c.reg, &req, c.now).unwrap()
     };
     assert_eq!(d.matched_blocks, 0);
@@ -200,14 +198,7 @@ fn saturated_pods_are_skipped_and_when_all_are_the_shortest_queue_wins() {
     c.report(2, load(2, 3, 0.1));
     c.report(1, load(1, 2, 0.1));
     c.report(0, load(8, 5, 0.1));
-    let req = PickRequest {
-        model: MODEL,
-        pool: None,
-        prompt_tokens: 300,
-        tokens: Some(&p),
-        cache_salt: None,
-        exclude: &[],
-    };
+    let req = req(&p);
     let d = sched(3.0).pick(&mut c.reg, &req, c.now).unwrap();
     assert!(d.all_saturated);
     assert_eq!(d.pod, "ns/pod-1", "shortest queue");
@@ -271,14 +262,7 @@ fn prefix_caching_off_uses_least_request_and_spreads() {
     let s = sched(3.0);
     let mut counts = BTreeMap::new();
     for _ in 0..9 {
-        let req = PickRequest {
-            model: MODEL,
-            pool: None,
-            prompt_tokens: 700,
-            tokens: Some(&p),
-            cache_salt: None,
-            exclude: &[],
-        };
+        let req = req(&p);
         let d = s.pick(&mut c.reg, &req, c.now).unwrap();
         assert!(d.least_request);
         assert!(

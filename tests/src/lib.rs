@@ -2,4 +2,5 @@
 //! end-to-end tests. Nothing here ships; it is how everything kvsight claims is proven without a
 //! GPU.
 
+pub mod own_tokenizer;
 pub mod sim;
