@@ -208,3 +208,66 @@ async fn tokenize_without_tokenizer_or_pod_is_an_openai_error() {
     .await;
     assert_openai_error(s, &b, StatusCode::NOT_FOUND, json!("model"));
 }
+
+#[tokio::test]
+async fn tokenize_answers_locally_with_the_models_tokenizer() {
+    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: tokenize_answers_locally_with_the_models_tokenizer: {e}");
+            return;
+        }
+    };
+    let files = kvsight_router::tokenize::read_dir(&dir).unwrap();
+    let direct = kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(
+        &files.tokenizer_json,
+        files.tokenizer_config.as_deref(),
+    )
+    .unwrap();
+    let st = state(RouterConfig::default());
+    add_pod(&st, "a", "http://127.0.0.1:9", &[], 0);
+    st.tokenizers.insert(
+        MODEL,
+        files.digest(),
+        kvsight_router::tokenize::model_tokenizer(&files).unwrap(),
+    );
+    let prompt = "The quick brown fox jumps over the lazy dog.";
+    let (s, _, b) = call(
+        st.clone(),
+        post(
+            "/tokenize",
+            json!({"model": MODEL, "prompt": prompt}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    let want = direct.encode_completion(prompt).unwrap();
+    assert_eq!(v["tokens"], json!(want));
+    assert_eq!(v["count"], json!(want.len()));
+    assert_eq!(v["max_model_len"], 4096);
+
+    // Chat: rendered with the template, no special tokens added again.
+    let msgs = json!([{"role": "user", "content": "Hello there"}]);
+    let (s, _, b) = call(
+        st,
+        post(
+            "/tokenize",
+            json!({"model": MODEL, "messages": msgs}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    let want = direct
+        .encode_chat(
+            &[kvsight_protocol::tokenizer::ChatMessage::new(
+                "user",
+                "Hello there",
+            )],
+            true,
+            &Default::default(),
+        )
+        .unwrap();
+    assert_eq!(v["tokens"], json!(want));
+}

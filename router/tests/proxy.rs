@@ -396,3 +396,69 @@ async fn config_reload_applies_a_valid_file_and_rejects_an_invalid_one() {
     stop.cancel();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Sends `n` completions sharing a long prefix and returns which pod answered each.
+async fn route_batch(router: &str, n: usize, tag: &str) -> Vec<String> {
+    let prefix = "You are a careful assistant. Always answer in full sentences. ".repeat(8);
+    let mut pods = Vec::new();
+    for i in 0..n {
+        let body = json!({"model": "m", "prompt": format!("{prefix} Question {tag} {i}?")});
+        let resp = client()
+            .post(format!("{router}/v1/completions"))
+            .header("x-kvsight-debug", "1")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        pods.push(resp.headers()["x-pod"].to_str().unwrap().to_owned());
+    }
+    pods
+}
+
+#[tokio::test]
+async fn a_shared_prefix_concentrates_and_prefix_zero_spreads_after_a_reload() {
+    let (st, router) = router_for(RouterConfig::default()).await;
+    for name in ["p0", "p1", "p2", "p3"] {
+        let url = fixed_pod(name, StatusCode::OK, json!({"choices": []})).await;
+        add_pod(&st, name, &url, &[], 0);
+    }
+    // No tokenizer: approximate mode, the router's own memory of what it sent.
+    let first = route_batch(&router, 8, "a").await;
+    assert!(
+        first.iter().all(|p| *p == first[0]),
+        "concentrated: {first:?}"
+    );
+
+    let mut cfg = st.live().config.clone();
+    cfg.scheduler.weights.prefix = 0.0;
+    st.swap_config(cfg);
+    let second = route_batch(&router, 8, "b").await;
+    let distinct: std::collections::BTreeSet<_> = second.iter().collect();
+    assert!(distinct.len() >= 3, "spread with prefix: 0: {second:?}");
+    let m = metrics(&router).await;
+    assert!(
+        m.contains(r#"kvsight_router_prefix_mode_total{model="m",mode="approximate"} 16"#),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn saturated_pods_are_skipped() {
+    let (st, router) = router_for(RouterConfig::default()).await;
+    let busy = fixed_pod("busy", StatusCode::OK, json!({})).await;
+    let free = fixed_pod("free", StatusCode::OK, json!({})).await;
+    let (key, conn) = add_pod(&st, "busy", &busy, &[], 0);
+    // Waiting ≥ 1 saturates a pod (default maxWaiting 1), whatever its cache holds.
+    st.registry()
+        .apply_load(
+            &key,
+            conn,
+            load(kvsight_protocol::messages::Phase::Ready, 8, 3),
+            std::time::Instant::now(),
+        )
+        .unwrap();
+    add_pod(&st, "free", &free, &[], 0);
+    let pods = route_batch(&router, 4, "s").await;
+    assert!(pods.iter().all(|p| p == "free"), "{pods:?}");
+}
