@@ -28,6 +28,13 @@ struct Running {
 }
 
 async fn start(ca: &DevCa) -> Running {
+    start_with(ca, None).await
+}
+
+async fn start_with(
+    ca: &DevCa,
+    tokenizer_loader: Option<kvsight_router::tokenize::TokenizerLoader>,
+) -> Running {
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let quic = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let (http_addr, quic_addr) = (http.local_addr().unwrap(), quic.local_addr().unwrap());
@@ -38,7 +45,7 @@ async fn start(ca: &DevCa) -> Running {
         router_id: "r1".into(),
         ready_delay: Duration::ZERO,
         grace: Duration::from_secs(2),
-        tokenizer_loader: None,
+        tokenizer_loader,
     };
     let shutdown = CancellationToken::new();
     let state = build_state(&cfg, &shutdown).unwrap();
@@ -350,4 +357,47 @@ async fn shutdown_lets_an_in_flight_stream_finish_and_refuses_new_requests() {
         .expect("run returns once the stream ended, before the grace period")
         .unwrap()
         .unwrap();
+}
+
+#[tokio::test]
+async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
+    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: the_router_fetches_a_missing_tokenizer_from_the_sidecar: {e}");
+            return;
+        }
+    };
+    let files = kvsight_router::tokenize::read_dir(&dir).unwrap();
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start_with(&ca, Some(kvsight_router::tokenize::default_loader())).await;
+    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
+        .await
+        .unwrap();
+    let mut h = fast_hello("a");
+    h.tokenizer = Some(TokenizerInfo {
+        digest: files.digest(),
+        total_bytes: files.total_bytes(),
+    });
+    sc.send.send(&SidecarMessage::Hello(h)).await.unwrap();
+    assert!(matches!(sc.next().await, RouterMessage::Welcome(_)));
+    match sc.next_not_inflight().await {
+        RouterMessage::TokenizerRequest(req) => assert_eq!(req.model, MODEL),
+        m => panic!("expected TokenizerRequest, got {m:?}"),
+    }
+    assert!(!r.state.tokenizers.has(MODEL, None));
+    for chunk in files.chunks(MODEL) {
+        sc.send
+            .send(&SidecarMessage::TokenizerChunk(chunk))
+            .await
+            .unwrap();
+    }
+    let st = r.state.clone();
+    let digest = files.digest();
+    eventually("tokenizer installed", || {
+        st.tokenizers.has(MODEL, Some(&digest))
+    })
+    .await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
 }
