@@ -481,10 +481,17 @@ async fn pump(
     // Whether the bytes sent so far end between two SSE events.
     let mut at_boundary = true;
     let cut: Option<(&'static str, ApiError)> = loop {
+        // Checked every turn too: a body that is always ready would starve the timer arm.
+        if TokioInstant::now() >= deadline {
+            break Some(("deadline", ApiError::Deadline(Duration::ZERO)));
+        }
         let next = tokio::select! {
             biased;
             n = body.next() => n,
             _ = sleep_until(deadline) => break Some(("deadline", ApiError::Deadline(Duration::ZERO))),
+            // The client left while the pod is silent (a long prefill): stop now, so dropping
+            // the upstream body aborts the generation instead of finishing it for nobody.
+            _ = tx.closed() => break None,
         };
         match next {
             None => break None,

@@ -462,3 +462,34 @@ async fn saturated_pods_are_skipped() {
     let pods = route_batch(&router, 4, "s").await;
     assert!(pods.iter().all(|p| p == "free"), "{pods:?}");
 }
+
+#[tokio::test]
+async fn a_client_leaving_mid_stream_releases_the_pod_and_closes_upstream() {
+    let (pod, tx, _seen) = streaming_pod().await;
+    let (st, router) = router_for(RouterConfig::default()).await;
+    add_pod(&st, "a", &pod, &[], 0);
+    let mut resp = client()
+        .post(format!("{router}/v1/completions"))
+        .body(BODY)
+        .send()
+        .await
+        .unwrap();
+    tx.send(Ok(Bytes::from_static(b"data: {\"a\":1}\n\n")))
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+    assert_eq!(st.registry().get("ns/a").unwrap().inflight, 1);
+    drop(resp);
+    // The pod is silent; the router still notices, drops the upstream body (the pod's stream
+    // receiver goes away) and records the request as done.
+    tokio::time::timeout(Duration::from_secs(5), tx.closed())
+        .await
+        .expect("upstream closed after the client left");
+    for _ in 0..500 {
+        if st.registry().get("ns/a").unwrap().inflight == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(st.registry().get("ns/a").unwrap().inflight, 0);
+}
