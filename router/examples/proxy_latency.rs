@@ -12,6 +12,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
+use axum::serve::ListenerExt;
 use kvsight_protocol::messages::*;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{State, app};
@@ -22,6 +23,10 @@ const EVENTS: usize = 8;
 async fn serve(router: Router) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
+    // As `kvsight_router::run` serves: TCP_NODELAY on every accepted socket.
+    let l = l.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(l, router).await });
     format!("http://{addr}")
 }

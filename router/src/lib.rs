@@ -21,6 +21,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -137,7 +138,12 @@ pub async fn serve(
     }
 
     let http_stop = CancellationToken::new();
-    let server = axum::serve(listeners.http, app(state.clone()))
+    // Streams are many small writes: without TCP_NODELAY, Nagle + the client's delayed ACK add
+    // ~40 ms to every SSE answer.
+    let http = listeners.http.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let server = axum::serve(http, app(state.clone()))
         .with_graceful_shutdown(http_stop.clone().cancelled_owned());
     let mut server = std::pin::pin!(server.into_future());
     let result = tokio::select! {
