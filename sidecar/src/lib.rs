@@ -2,10 +2,294 @@
 //! metrics, warms the pod before it reports Ready and publishes limits, load and a Bloom filter of
 //! resident blocks to every router replica over QUIC with mutual TLS.
 //!
-//! Status (issue "kvsight-sidecar"): the sans-I/O core exists — [`kv_events::decode`] reads every
-//! vLLM KV-event layout and [`mirror`] keeps the exact resident set and its filter. The ZMQ
-//! subscriber, metrics scrape, warm-up, QUIC publisher and the binary are not built yet.
+//! Layout: sans-I/O cores ([`kv_events::decode`], [`mirror`], [`scrape`]) under async shells
+//! ([`kv_events::subscriber`], [`engine`], [`load`], [`publisher`], [`warmup`], [`server`]);
+//! [`run`] wires them: Starting (wait for `/health`, read facts, subscribe) → Warming (warm-up
+//! plan) → Ready → on `shutdown`, Draining (tell routers at once, wait for vLLM to empty or the
+//! grace period) → Goodbye with `CloseReason::Drained`.
+//!
+//! Shutdown is a tree: `shutdown` (the caller's, e.g. SIGTERM) starts the drain; `stop`, a token
+//! of our own, ends every task once the drain is over; a [`TaskTracker`] bounds the wait for them.
 
+pub mod config;
+pub mod engine;
 pub mod kv_events;
+pub mod load;
+pub mod metrics;
 pub mod mirror;
+pub mod publisher;
 pub mod scrape;
+pub mod server;
+pub mod state;
+pub mod warmup;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvsight_protocol::messages::{CloseReason, Hello, PROTOCOL_VERSION, Phase, PodIdentity};
+use kvsight_transport::TlsMaterial;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, WarmupSource};
+use crate::engine::VllmClient;
+use crate::kv_events::subscriber::{KvSubscriber, SubscriberConfig};
+use crate::mirror::Mirror;
+use crate::publisher::Publisher;
+use crate::state::Shared;
+
+/// How often vLLM's `/health` is polled once up.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// How often start-up steps (health, facts, subscribe) are retried.
+const RETRY_INTERVAL: Duration = Duration::from_millis(200);
+/// Longest wait for tasks to end after the drain.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Sockets bound before [`run`] (so tests bind `127.0.0.1:0` and read the port back).
+#[derive(Debug)]
+pub struct Listeners {
+    /// `/live`, `/ready`, `/metrics`, `/debug/state`.
+    pub http: TcpListener,
+}
+
+/// Why the sidecar could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("TLS material: {0}")]
+    Tls(#[from] kvsight_transport::TransportError),
+    #[error("warm-up plan: {0}")]
+    Warmup(#[from] warmup::WarmupError),
+    #[error("KV-cache filter for {blocks} blocks: {source}")]
+    Filter {
+        blocks: u64,
+        source: kvsight_protocol::bloom::FilterError,
+    },
+}
+
+/// Runs the sidecar until `shutdown` has been handled (drained) or start-up fails.
+pub async fn run(
+    listeners: Listeners,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    run_with(listeners, config, shutdown, Arc::new(Shared::default())).await
+}
+
+/// [`run`] with caller-provided shared state (tests watch phase and metrics through it).
+pub async fn run_with(
+    listeners: Listeners,
+    config: Config,
+    shutdown: CancellationToken,
+    shared: Arc<Shared>,
+) -> Result<(), RunError> {
+    // Everything that can be checked without vLLM is checked before any work starts.
+    let tls = config
+        .tls
+        .as_ref()
+        .map(|t| TlsMaterial::from_pem_files(&t.cert, &t.key, &t.ca))
+        .transpose()?;
+    let plan_file = match &config.warmup {
+        WarmupSource::File(p) => Some(warmup::load_plan(p)?),
+        _ => None,
+    };
+
+    let stop = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let result = start_and_serve(
+        listeners, &config, &shutdown, &stop, &tracker, &shared, tls, plan_file,
+    )
+    .await;
+    // Serve HTTP until the end so probes see Draining; then stop everything, bounded.
+    stop.cancel();
+    tracker.close();
+    if tokio::time::timeout(STOP_GRACE, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("tasks still running after {STOP_GRACE:?}; exiting anyway");
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn start_and_serve(
+    listeners: Listeners,
+    config: &Config,
+    shutdown: &CancellationToken,
+    stop: &CancellationToken,
+    tracker: &TaskTracker,
+    shared: &Arc<Shared>,
+    tls: Option<TlsMaterial>,
+    plan_file: Option<Vec<warmup::WarmupStep>>,
+) -> Result<(), RunError> {
+    let http = listeners.http;
+    {
+        let app = server::app(Arc::clone(shared));
+        let stop = stop.clone();
+        tracker.spawn(async move {
+            let served = axum::serve(http, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+    }
+
+    // Starting: vLLM up, facts read, KV events subscribed.
+    let client = VllmClient::new(&config.vllm_url);
+    if !client.wait_healthy(RETRY_INTERVAL, shutdown).await {
+        return Ok(());
+    }
+    shared.set_healthy(true);
+    let facts = loop {
+        match client
+            .facts(config.max_num_seqs, config.max_num_batched_tokens)
+            .await
+        {
+            Ok(f) => break f,
+            Err(e) => tracing::info!(error = %e, "engine facts not available yet"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            () = tokio::time::sleep(RETRY_INTERVAL) => {}
+        }
+    };
+    tracing::info!(?facts, "engine facts");
+    let blocks = facts.engine.num_gpu_blocks;
+    let mirror = Arc::new(Mutex::new(
+        Mirror::new(blocks).map_err(|source| RunError::Filter { blocks, source })?,
+    ));
+    let _ = shared.mirror.set(Arc::clone(&mirror));
+    let _ = shared.facts.set(facts.clone());
+
+    let sub_config = SubscriberConfig {
+        endpoint: config.kv_events_endpoint.clone(),
+        replay_endpoint: config.kv_events_replay_endpoint.clone(),
+        topic: config.kv_events_topic.clone(),
+        replay_timeout: Duration::from_secs(5),
+    };
+    let subscriber = loop {
+        match KvSubscriber::connect(
+            sub_config.clone(),
+            Arc::clone(&mirror),
+            Arc::clone(&shared.metrics),
+        )
+        .await
+        {
+            Ok(s) => break s,
+            Err(e) => tracing::warn!(error = %e, "cannot subscribe to KV events yet"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            () = tokio::time::sleep(RETRY_INTERVAL) => {}
+        }
+    };
+    let _ = shared.subscriber.set(subscriber.status());
+    tracker.spawn(subscriber.run(stop.clone()));
+    tracker.spawn(load::run_load(
+        client.clone(),
+        Arc::clone(shared),
+        config.scrape_interval,
+        stop.clone(),
+    ));
+    tracker.spawn(load::run_health(
+        client.clone(),
+        Arc::clone(shared),
+        HEALTH_INTERVAL,
+        stop.clone(),
+    ));
+
+    // The publisher: routers learn about the pod as soon as its facts are known.
+    let tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
+        facts
+            .root
+            .as_ref()
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_dir())
+    });
+    let tokenizer = tokenizer_dir.and_then(|dir| match publisher::load_tokenizer(&dir) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "no tokenizer to hand out");
+            None
+        }
+    });
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        instance_id: instance_id(),
+        pod: PodIdentity {
+            name: config.pod_name.clone(),
+            namespace: config.pod_namespace.clone(),
+            url: config.advertise_url.clone(),
+            labels: config.pod_labels.clone(),
+        },
+        engine: facts.engine.clone(),
+        models: facts.models.clone(),
+        lora_adapters: facts.lora_adapters.clone(),
+        tokenizer: None,
+        sidecar_version: env!("CARGO_PKG_VERSION").to_owned(),
+        load_interval_ms: u32::try_from(config.scrape_interval.as_millis()).unwrap_or(u32::MAX),
+    };
+    let publisher = Publisher::new(Arc::clone(shared), Arc::clone(&mirror), hello, tokenizer);
+    // Routers hear Goodbye only after the drain: `close` is cancelled at its end (or by stop).
+    let close = stop.child_token();
+    tracker.spawn(Arc::clone(&publisher).run_ticker(config.publish_interval, stop.clone()));
+    if let Some(tls) = tls {
+        tracker.spawn(Arc::clone(&publisher).run_routers(
+            tls,
+            config.routers.clone(),
+            config.router_resolve_interval,
+            close.clone(),
+            tracker.clone(),
+        ));
+    }
+
+    // Warming.
+    shared.set_phase(Phase::Warming);
+    let plan = match (&config.warmup, plan_file) {
+        (WarmupSource::Skip, _) => Vec::new(),
+        (_, Some(p)) => p,
+        (_, None) => warmup::default_plan(facts.engine.max_model_len),
+    };
+    if let Some(model) = facts.models.first() {
+        let report =
+            warmup::run_plan(&client, model, &plan, facts.engine.max_model_len, shutdown).await;
+        shared.metrics.warmup_seconds.set(report.seconds);
+        tracing::info!(?report, "warm-up done");
+    }
+    if !shutdown.is_cancelled() {
+        shared.set_phase(if shared.healthy() {
+            Phase::Ready
+        } else {
+            Phase::Unhealthy
+        });
+        shutdown.cancelled().await;
+    }
+
+    // Draining.
+    shared.set_phase(Phase::Draining);
+    let drain_start = Instant::now();
+    let mut load_rx = shared.load.subscribe();
+    let idle = load_rx.wait_for(|s| {
+        s.as_ref().is_some_and(|s| {
+            s.sampled_at > drain_start && s.load.running == 0 && s.load.waiting == 0
+        })
+    });
+    match tokio::time::timeout(config.drain_grace, idle).await {
+        Ok(_) => tracing::info!("vLLM is idle: drained"),
+        Err(_) => {
+            tracing::warn!(grace = ?config.drain_grace, "drain grace over with requests still running")
+        }
+    }
+    shared.set_close_reason(CloseReason::Drained);
+    close.cancel();
+    Ok(())
+}
+
+/// Random per process start (routers tell a restarted sidecar from a reconnect).
+fn instance_id() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()))
+}

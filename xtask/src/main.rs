@@ -100,7 +100,14 @@ fn ci(root: &Path) -> Result<()> {
     )?;
     step(
         "cargo bench --no-run",
-        &["bench", "--workspace", "--benches", "--locked", "--no-run"],
+        &[
+            "bench",
+            "--workspace",
+            "--bench",
+            "*",
+            "--locked",
+            "--no-run",
+        ],
     )?;
     for dir in FUZZ_CRATES {
         build_and_replay_fuzz(root, dir)?;

@@ -1,4 +1,5 @@
-//! vLLM's KV-cache event stream: decoding its payloads (every published layout) and, in later
-//! modules, subscribing over ZMQ with gap detection and replay.
+//! vLLM's KV-cache event stream: decoding its payloads (every published layout) and subscribing
+//! over ZMQ with gap detection and replay.
 
 pub mod decode;
+pub mod subscriber;

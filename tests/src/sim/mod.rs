@@ -4,3 +4,4 @@
 
 pub mod engine;
 pub mod kv_events;
+pub mod server;

@@ -1,0 +1,86 @@
+//! The kvsight-sidecar binary: parse and validate config (exit 64 naming the field), bind, wire
+//! SIGTERM/Ctrl-C to the drain, run.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use kvsight_sidecar::config::Args;
+use kvsight_sidecar::{Listeners, run};
+use tokio_util::sync::CancellationToken;
+
+/// BSD `EX_USAGE`: the configuration is wrong.
+const EXIT_CONFIG: u8 = 64;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVSIGHT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let config = match args.validate(|k| std::env::var(k).ok()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvsight-sidecar: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvsight-sidecar: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvsight-sidecar: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
+    let http = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
+    tracing::info!(listen = %http.local_addr()?, "health and metrics");
+    let shutdown = CancellationToken::new();
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("termination signal: draining");
+        signals.cancel();
+    });
+    run(Listeners { http }, config, shutdown).await?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,504 @@
+//! The QUIC publisher against test routers built from `kvsight-transport` and a dev CA, over
+//! loopback: the message sequence a router sees, a fresh snapshot after a router restart, a
+//! rogue-CA router refused while a good one is served, tokenizer transfer, in-flight reports and
+//! the drained Goodbye.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvsight_protocol::bloom::BloomFilter;
+use kvsight_protocol::messages::*;
+use kvsight_protocol::tokenizer_transfer::{TokenizerAssembler, TokenizerFiles};
+use kvsight_sidecar::config::RouterTarget;
+use kvsight_sidecar::kv_events::decode::{Event, Stored, VllmHash};
+use kvsight_sidecar::kv_events::subscriber::{SharedMirror, lock};
+use kvsight_sidecar::mirror::Mirror;
+use kvsight_sidecar::publisher::Publisher;
+use kvsight_sidecar::state::{LoadSample, Shared};
+use kvsight_transport::dev_certs::DevCa;
+use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, server};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// What a test router saw, per accepted connection.
+#[derive(Debug)]
+enum Seen {
+    Connected(u64, mpsc::UnboundedSender<RouterMessage>),
+    Message(u64, SidecarMessage),
+    Closed,
+}
+
+struct TestRouter {
+    addr: SocketAddr,
+    endpoint: quinn::Endpoint,
+    seen: mpsc::UnboundedReceiver<Seen>,
+}
+
+impl TestRouter {
+    fn start(tls: &TlsMaterial, bind: &str, refuse: Option<&str>) -> TestRouter {
+        Self::on(tls, UdpSocket::bind(bind).unwrap(), refuse)
+    }
+
+    /// A router on the port a stopped one used: the old endpoint releases its socket once its
+    /// last connection task is gone, so binding is retried (bounded).
+    async fn restart_at(tls: &TlsMaterial, addr: SocketAddr) -> TestRouter {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            match UdpSocket::bind(addr) {
+                Ok(s) => return Self::on(tls, s, None),
+                Err(e) => assert!(Instant::now() < deadline, "rebinding {addr}: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn on(tls: &TlsMaterial, socket: UdpSocket, refuse: Option<&str>) -> TestRouter {
+        let addr = socket.local_addr().unwrap();
+        let endpoint = server(socket, tls).unwrap();
+        let (tx, seen) = mpsc::unbounded_channel();
+        let ep = endpoint.clone();
+        let refuse = refuse.map(str::to_owned);
+        tokio::spawn(async move {
+            let mut n = 0;
+            while let Some(incoming) = ep.accept().await {
+                n += 1;
+                let id = n;
+                let tx = tx.clone();
+                let refuse = refuse.clone();
+                tokio::spawn(async move {
+                    let Ok(conn) = incoming.await else { return };
+                    let Ok((send, recv)) = conn.accept_bi().await else {
+                        return;
+                    };
+                    let (mut send, mut recv) = (FramedSend::new(send), FramedRecv::new(recv));
+                    let Ok(Some(hello)) = recv.recv::<SidecarMessage>().await else {
+                        return;
+                    };
+                    let _ = tx.send(Seen::Message(id, hello));
+                    if let Some(reason) = refuse {
+                        let _ = send
+                            .send(&RouterMessage::Refused(Refused {
+                                protocol_version: PROTOCOL_VERSION,
+                                reason,
+                            }))
+                            .await;
+                        let _ = send.finish();
+                        let _ = conn.closed().await;
+                        return;
+                    }
+                    send.send(&RouterMessage::Welcome(Welcome {
+                        protocol_version: PROTOCOL_VERSION,
+                        router_id: format!("router-{id}"),
+                    }))
+                    .await
+                    .unwrap();
+                    let (out_tx, mut out_rx) = mpsc::unbounded_channel();
+                    let _ = tx.send(Seen::Connected(id, out_tx));
+                    // The test may drop its sender: then the router only listens.
+                    let mut out_open = true;
+                    loop {
+                        tokio::select! {
+                            m = recv.recv::<SidecarMessage>() => match m {
+                                Ok(Some(m)) => { let _ = tx.send(Seen::Message(id, m)); }
+                                _ => break,
+                            },
+                            out = out_rx.recv(), if out_open => match out {
+                                Some(m) => { if send.send(&m).await.is_err() { break; } }
+                                None => out_open = false,
+                            },
+                        }
+                    }
+                    let _ = tx.send(Seen::Closed);
+                });
+            }
+        });
+        TestRouter {
+            addr,
+            endpoint,
+            seen,
+        }
+    }
+
+    async fn next(&mut self) -> Seen {
+        tokio::time::timeout(WAIT, self.seen.recv())
+            .await
+            .expect("router saw nothing in time")
+            .expect("router task alive")
+    }
+
+    /// The next sidecar message, skipping `Load`s unless `loads`.
+    async fn message(&mut self, loads: bool) -> (u64, SidecarMessage) {
+        loop {
+            match self.next().await {
+                Seen::Message(_, SidecarMessage::Load(_)) if !loads => {}
+                Seen::Message(id, m) => return (id, m),
+                _ => {}
+            }
+        }
+    }
+
+    /// Waits until the router's view holds `n` blocks, by a delta or (when the change was
+    /// published before this connection subscribed) by its snapshot.
+    async fn resident(&mut self, n: u64) {
+        loop {
+            match self.message(false).await {
+                (_, SidecarMessage::CacheDelta(d)) if d.resident_blocks == n => return,
+                (_, SidecarMessage::CacheSnapshot(s)) if s.resident_blocks == n => return,
+                _ => {}
+            }
+        }
+    }
+
+    async fn connected(&mut self) -> (u64, mpsc::UnboundedSender<RouterMessage>) {
+        loop {
+            if let Seen::Connected(id, tx) = self.next().await {
+                return (id, tx);
+            }
+        }
+    }
+
+    async fn stop(self) {
+        self.endpoint
+            .close(CloseReason::Shutdown.code().into(), b"restart");
+        self.endpoint.wait_idle().await;
+    }
+}
+
+fn hello() -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        instance_id: 42,
+        pod: PodIdentity {
+            name: "pod-0".into(),
+            namespace: "ns".into(),
+            url: "http://127.0.0.1:8000".into(),
+            labels: BTreeMap::new(),
+        },
+        engine: EngineFacts {
+            block_size: 4,
+            num_gpu_blocks: 1000,
+            prefix_caching: true,
+            max_num_seqs: 256,
+            max_model_len: 4096,
+            max_num_batched_tokens: None,
+            engine_version: "0.33.0".into(),
+        },
+        models: vec!["m".into()],
+        lora_adapters: vec![],
+        tokenizer: None,
+        sidecar_version: "test".into(),
+        load_interval_ms: 100,
+    }
+}
+
+fn store(mirror: &SharedMirror, first_hash: u64, blocks: u64) {
+    let tokens: Vec<u32> = (0..blocks as u32 * 4)
+        .map(|t| t + first_hash as u32)
+        .collect();
+    lock(mirror).apply(&Event::Stored(Stored {
+        block_hashes: (0..blocks).map(|i| VllmHash::Int(first_hash + i)).collect(),
+        parent_block_hash: None,
+        token_ids: tokens,
+        block_size: 4,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: None,
+        group_idx: None,
+        kv_cache_spec_kind: None,
+    }));
+}
+
+struct Sidecar {
+    shared: Arc<Shared>,
+    mirror: SharedMirror,
+    close: CancellationToken,
+    stop: CancellationToken,
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn start_sidecar(
+    tls: TlsMaterial,
+    routers: &[SocketAddr],
+    tokenizer: Option<TokenizerFiles>,
+) -> Sidecar {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("debug,quinn=info,quinn_proto=info,rustls=info")
+        .try_init();
+    let shared = Arc::new(Shared::default());
+    let mirror = Arc::new(Mutex::new(Mirror::new(1000).unwrap()));
+    let publisher = Publisher::new(Arc::clone(&shared), Arc::clone(&mirror), hello(), tokenizer);
+    let stop = CancellationToken::new();
+    let close = stop.child_token();
+    let tracker = TaskTracker::new();
+    tokio::spawn(Arc::clone(&publisher).run_ticker(Duration::from_millis(10), stop.clone()));
+    tokio::spawn(
+        publisher.run_routers(
+            tls,
+            routers
+                .iter()
+                .map(|a| RouterTarget {
+                    host: a.ip().to_string(),
+                    port: a.port(),
+                })
+                .collect(),
+            Duration::from_secs(60),
+            close.clone(),
+            tracker,
+        ),
+    );
+    Sidecar {
+        shared,
+        mirror,
+        close,
+        stop,
+    }
+}
+
+/// Polls `cond` until true; bounded by [`WAIT`]. For state that has no change notification.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn hello_snapshot_then_deltas_and_loads() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let mut router = TestRouter::start(
+        &ca.material("router", &["127.0.0.1"]).unwrap(),
+        "127.0.0.1:0",
+        None,
+    );
+    let side = start_sidecar(
+        ca.material("pod-0", &["pod-0"]).unwrap(),
+        &[router.addr],
+        None,
+    );
+
+    let (_, m) = router.message(false).await;
+    let SidecarMessage::Hello(h) = m else {
+        panic!("first message must be Hello, got {m:?}")
+    };
+    assert_eq!(h.pod.name, "pod-0");
+    let (_, m) = router.message(false).await;
+    let SidecarMessage::CacheSnapshot(snap) = m else {
+        panic!("second message must be CacheSnapshot, got {m:?}")
+    };
+    assert_eq!(snap.resident_blocks, 0);
+    let mut view = BloomFilter::from_snapshot(&snap).unwrap();
+
+    store(&side.mirror, 1000, 5);
+    let (_, m) = router.message(false).await;
+    let SidecarMessage::CacheDelta(delta) = m else {
+        panic!("expected a CacheDelta, got {m:?}")
+    };
+    assert_eq!(delta.base_version, snap.version);
+    assert_eq!(delta.resident_blocks, 5);
+    // A change of 5 blocks costs O(5) toggles, not the filter's size.
+    assert!(
+        delta.toggles.len() <= 5 * 8,
+        "{} toggles",
+        delta.toggles.len()
+    );
+    view.apply_delta(&delta).unwrap();
+    for (_, canonical) in lock(&side.mirror).blocks() {
+        assert!(view.contains(canonical));
+    }
+
+    // Load reaches the router with its own sequence.
+    let mut load = kvsight_sidecar::load::build_load(
+        &Default::default(),
+        Phase::Ready,
+        CacheView::Exact,
+        0,
+        None,
+    );
+    load.running = 3;
+    side.shared.load.send_replace(Some(LoadSample {
+        sampled_at: Instant::now(),
+        load,
+    }));
+    let l = loop {
+        if let (_, SidecarMessage::Load(l)) = router.message(true).await {
+            break l;
+        }
+    };
+    assert_eq!(l.running, 3);
+    assert_eq!(l.seq, 1);
+    assert_eq!(side.shared.metrics.routers_connected.get(), 1);
+}
+
+#[tokio::test]
+async fn restarted_router_gets_a_fresh_snapshot() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let tls = ca.material("router", &["127.0.0.1"]).unwrap();
+    let mut router = TestRouter::start(&tls, "127.0.0.1:0", None);
+    let addr = router.addr;
+    let side = start_sidecar(ca.material("pod-0", &["pod-0"]).unwrap(), &[addr], None);
+    router.connected().await;
+    store(&side.mirror, 1, 7);
+    router.resident(7).await;
+    router.stop().await;
+
+    // Same address, new process.
+    let mut router = TestRouter::restart_at(&tls, addr).await;
+    let (_, m) = router.message(false).await;
+    assert!(matches!(m, SidecarMessage::Hello(_)), "{m:?}");
+    let (_, m) = router.message(false).await;
+    let SidecarMessage::CacheSnapshot(snap) = m else {
+        panic!("expected a snapshot after reconnect, got {m:?}")
+    };
+    assert_eq!(snap.resident_blocks, 7);
+    let view = BloomFilter::from_snapshot(&snap).unwrap();
+    for (_, canonical) in lock(&side.mirror).blocks() {
+        assert!(view.contains(canonical));
+    }
+}
+
+#[tokio::test]
+async fn rogue_ca_router_is_refused_while_the_good_one_is_served() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let rogue_ca = DevCa::new("rogue-ca").unwrap();
+    let mut rogue = TestRouter::start(
+        &rogue_ca.material("router", &["127.0.0.1"]).unwrap(),
+        "127.0.0.1:0",
+        None,
+    );
+    let mut good = TestRouter::start(
+        &ca.material("router", &["127.0.0.1"]).unwrap(),
+        "127.0.0.1:0",
+        None,
+    );
+    let side = start_sidecar(
+        ca.material("pod-0", &["pod-0"]).unwrap(),
+        &[rogue.addr, good.addr],
+        None,
+    );
+    let (_, m) = good.message(false).await;
+    assert!(matches!(m, SidecarMessage::Hello(_)));
+    let metrics = Arc::clone(&side.shared.metrics);
+    eventually("a failed connection to the rogue router", || {
+        metrics
+            .render()
+            .contains("router_errors_total{reason=\"connect\"}")
+    })
+    .await;
+    assert!(rogue.seen.try_recv().is_err(), "rogue router got a message");
+    // The good one keeps being served.
+    store(&side.mirror, 50, 2);
+    good.resident(2).await;
+    assert_eq!(metrics.routers_connected.get(), 1);
+}
+
+#[tokio::test]
+async fn refused_hello_is_counted_and_retried() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let mut router = TestRouter::start(
+        &ca.material("router", &["127.0.0.1"]).unwrap(),
+        "127.0.0.1:0",
+        Some("protocol version 0 expected"),
+    );
+    let side = start_sidecar(
+        ca.material("pod-0", &["pod-0"]).unwrap(),
+        &[router.addr],
+        None,
+    );
+    // Two Hellos: refused once, tried again after a backoff.
+    for _ in 0..2 {
+        let (_, m) = router.message(false).await;
+        assert!(matches!(m, SidecarMessage::Hello(_)));
+    }
+    let metrics = Arc::clone(&side.shared.metrics);
+    eventually("refusal counted", || {
+        metrics
+            .render()
+            .contains("router_errors_total{reason=\"refused\"}")
+    })
+    .await;
+    assert_eq!(metrics.routers_connected.get(), 0);
+}
+
+#[tokio::test]
+async fn tokenizer_chunks_inflight_resync_and_goodbye() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let mut router = TestRouter::start(
+        &ca.material("router", &["127.0.0.1"]).unwrap(),
+        "127.0.0.1:0",
+        None,
+    );
+    // Bigger than one chunk, so reassembly is exercised.
+    let files = TokenizerFiles {
+        tokenizer_json: (0..2_500_000u32).map(|i| (i % 251) as u8).collect(),
+        tokenizer_config: Some(b"{\"chat_template\": \"{{ messages }}\"}".to_vec()),
+        chat_template: None,
+    };
+    let side = start_sidecar(
+        ca.material("pod-0", &["pod-0"]).unwrap(),
+        &[router.addr],
+        Some(files.clone()),
+    );
+    let (_, m) = router.message(false).await;
+    let SidecarMessage::Hello(h) = m else {
+        panic!("{m:?}")
+    };
+    assert_eq!(h.tokenizer.as_ref().unwrap().digest, files.digest());
+    let (_, to_sidecar) = router.connected().await;
+    to_sidecar
+        .send(RouterMessage::TokenizerRequest(TokenizerRequest {
+            model: "m".into(),
+        }))
+        .unwrap();
+    let mut asm = TokenizerAssembler::new();
+    let got = loop {
+        if let (_, SidecarMessage::TokenizerChunk(c)) = router.message(false).await
+            && let Some(done) = asm.push(c).unwrap()
+        {
+            break done;
+        }
+    };
+    assert_eq!(got.0, "m");
+    assert_eq!(got.1, files);
+
+    to_sidecar
+        .send(RouterMessage::Inflight(Inflight {
+            seq: 1,
+            requests: 3,
+        }))
+        .unwrap();
+    let shared = Arc::clone(&side.shared);
+    eventually("in-flight recorded", || shared.inflight_total() == 3).await;
+
+    // A router whose filter went wrong asks for a resync and gets a snapshot of what it has.
+    store(&side.mirror, 900, 3);
+    router.resident(3).await;
+    to_sidecar.send(RouterMessage::ResyncRequest).unwrap();
+    let snap = loop {
+        if let (_, SidecarMessage::CacheSnapshot(s)) = router.message(false).await {
+            break s;
+        }
+    };
+    assert_eq!(snap.resident_blocks, 3);
+
+    side.shared.set_close_reason(CloseReason::Drained);
+    side.close.cancel();
+    let bye = loop {
+        if let (_, SidecarMessage::Goodbye(g)) = router.message(false).await {
+            break g;
+        }
+    };
+    assert_eq!(bye.reason, CloseReason::Drained);
+}

@@ -1,0 +1,50 @@
+//! `vllm-sim`: one simulated vLLM pod on real sockets. Parses vLLM-named flags, starts the pod,
+//! prints where it listens, and runs until SIGINT/SIGTERM. Exit code 64 on a bad flag.
+
+use clap::Parser;
+use kvsight_testbed::sim::server::{Args, SimPod};
+
+const EXIT_USAGE: i32 = 64;
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let config = match args.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vllm-sim: {e}");
+            std::process::exit(EXIT_USAGE);
+        }
+    };
+    let pod = match SimPod::start(config).await {
+        Ok(pod) => pod,
+        Err(e) => {
+            eprintln!("vllm-sim: {e}");
+            std::process::exit(1);
+        }
+    };
+    eprintln!("vllm-sim: HTTP on {}", pod.base_url());
+    if let Some(ep) = pod.kv_endpoint() {
+        eprintln!("vllm-sim: KV events on {ep}");
+    }
+    if let Some(ep) = pod.replay_endpoint() {
+        eprintln!("vllm-sim: KV replay on {ep}");
+    }
+    wait_for_signal().await;
+    pod.shutdown(std::time::Duration::from_secs(5)).await;
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

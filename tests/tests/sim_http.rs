@@ -1,0 +1,550 @@
+//! vllm-sim over real loopback sockets: the OpenAI endpoints' bodies and SSE framing as vLLM 0.33
+//! writes them, prefix-cache hits seen through `usage.prompt_tokens_details.cached_tokens` and
+//! `/metrics`, scheduling limits and timings visible in the metrics.
+
+mod sim_support;
+
+use std::time::Duration;
+
+use kvsight_testbed::sim::engine::EngineConfig;
+use kvsight_testbed::sim::server::{SimConfig, SimPod, SimPodHandle};
+use serde_json::{Value, json};
+use sim_support::{get, metric, post_json};
+
+/// A fast engine: no compile stall, steps 1000× shorter than the cost model says.
+fn fast_engine() -> EngineConfig {
+    EngineConfig::builder()
+        .compile_stall(Duration::ZERO)
+        .time_scale(0.001)
+        .build()
+        .expect("engine config")
+}
+
+async fn pod(config: SimConfig) -> SimPodHandle {
+    SimPod::start(config).await.expect("pod starts")
+}
+
+fn details_config() -> SimConfig {
+    SimConfig {
+        engine: fast_engine(),
+        enable_prompt_tokens_details: true,
+        ..SimConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn repeated_prompt_hits_exactly_its_full_blocks() -> anyhow::Result<()> {
+    let p = pod(details_config()).await;
+    // 100 tokens with block size 16: 6 full blocks; the last token is always recomputed, so a
+    // repeat hits (100 - 1) / 16 * 16 = 96 tokens.
+    let prompt: Vec<u32> = (1000..1100).collect();
+    let body = json!({"model": "vllm-sim", "prompt": prompt, "max_tokens": 2});
+    let first = post_json(p.http_addr(), "/v1/completions", &body).await?;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let first = first.json()?;
+    assert_eq!(first["usage"]["prompt_tokens"], 100);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = post_json(p.http_addr(), "/v1/completions", &body)
+        .await?
+        .json()?;
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
+    assert_eq!(second["usage"]["completion_tokens"], 2);
+    assert_eq!(second["usage"]["total_tokens"], 102);
+
+    let m = get(p.http_addr(), "/metrics").await?.text();
+    assert_eq!(metric(&m, "vllm:prefix_cache_queries_total"), Some(200.0));
+    assert_eq!(metric(&m, "vllm:prefix_cache_hits_total"), Some(96.0));
+    assert_eq!(metric(&m, "vllm:prompt_tokens_total"), Some(200.0));
+    assert_eq!(
+        metric(&m, "vllm:request_prefill_kv_computed_tokens_sum"),
+        Some(104.0)
+    );
+
+    // With prefix caching off nothing is ever a hit.
+    let off = pod(SimConfig {
+        engine: EngineConfig {
+            enable_prefix_caching: false,
+            ..fast_engine()
+        },
+        enable_prompt_tokens_details: true,
+        ..SimConfig::default()
+    })
+    .await;
+    for _ in 0..2 {
+        let r = post_json(off.http_addr(), "/v1/completions", &body)
+            .await?
+            .json()?;
+        assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    }
+    let m = get(off.http_addr(), "/metrics").await?.text();
+    assert_eq!(metric(&m, "vllm:prefix_cache_hits_total"), Some(0.0));
+    assert!(m.contains("enable_prefix_caching=\"False\""));
+    Ok(())
+}
+
+#[tokio::test]
+async fn completion_body_has_vllm_fields_in_order() -> anyhow::Result<()> {
+    let p = pod(details_config()).await;
+    let r = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": "hello world", "max_tokens": 3}),
+    )
+    .await?;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("content-type")
+            .unwrap_or("")
+            .starts_with("application/json")
+    );
+    let v = r.json()?;
+    let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "service_tier",
+            "system_fingerprint",
+            "usage",
+            "kv_transfer_params",
+            "ec_transfer_params",
+            "metrics"
+        ]
+    );
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], "vllm-sim");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["index"], 0);
+    // Deterministic text: the same request gives the same words.
+    let again = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": "hello world", "max_tokens": 3}),
+    )
+    .await?
+    .json()?;
+    assert_eq!(v["choices"][0]["text"], again["choices"][0]["text"]);
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap().split(' ').count(),
+        3
+    );
+
+    // Default max_tokens is 16; a list of prompts gives one choice per prompt.
+    let multi = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": ["a", "b"]}),
+    )
+    .await?
+    .json()?;
+    assert_eq!(multi["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(multi["usage"]["completion_tokens"], 32);
+    let lists = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1}),
+    )
+    .await?
+    .json()?;
+    assert_eq!(lists["usage"]["prompt_tokens"], 5);
+    Ok(())
+}
+
+#[tokio::test]
+async fn errors_match_vllm_bodies() -> anyhow::Result<()> {
+    let p = pod(SimConfig {
+        engine: EngineConfig {
+            max_model_len: 64,
+            ..fast_engine()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let long: Vec<u32> = (0..70).collect();
+    for stream in [false, true] {
+        let r = post_json(
+            p.http_addr(),
+            "/v1/completions",
+            &json!({"model": "vllm-sim", "prompt": long, "stream": stream}),
+        )
+        .await?;
+        assert_eq!(r.status, 400);
+        assert_eq!(
+            r.text(),
+            "{\"error\":{\"message\":\"This model's maximum context length is 64 tokens. However, \
+             your prompt contains 70 input tokens, which exceeds this limit even without any \
+             output tokens. Please reduce the length of the input prompt. \
+             (parameter=input_tokens, value=70)\",\"type\":\"BadRequestError\",\"param\":\
+             \"input_tokens\",\"code\":400}}"
+        );
+    }
+    let r = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"model": "nope", "prompt": "x"}),
+    )
+    .await?;
+    assert_eq!(r.status, 404);
+    assert_eq!(
+        r.text(),
+        "{\"error\":{\"message\":\"The model `nope` does not exist. Valid aliases: vllm-sim.\",\
+         \"type\":\"NotFoundError\",\"param\":\"model\",\"code\":404}}"
+    );
+    let r = sim_support::request(
+        p.http_addr(),
+        "POST",
+        "/v1/chat/completions",
+        Some(b"{\"model\": "),
+    )
+    .await?;
+    assert_eq!(r.status, 400);
+    let e = r.json()?;
+    assert_eq!(e["error"]["code"], 400);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("json_invalid")
+    );
+    // cache_salt is validated as vLLM 0.33 does.
+    let r = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": "x", "cache_salt": "a/b"}),
+    )
+    .await?;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()?["error"]["param"], "cache_salt");
+    let ok = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": "x", "cache_salt": "tenant-1", "max_tokens": 1}),
+    )
+    .await?;
+    assert_eq!(ok.status, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn sse_framing_matches_vllm() -> anyhow::Result<()> {
+    let p = pod(details_config()).await;
+    let r = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7], "max_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+    )
+    .await?;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("content-type")
+            .unwrap_or("")
+            .starts_with("text/event-stream")
+    );
+    let events = r.sse_events()?;
+    assert_eq!(events.len(), 5, "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..4]
+        .iter()
+        .map(|e| serde_json::from_str(e))
+        .collect::<Result<_, _>>()?;
+    let id = chunks[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("cmpl-"));
+    for c in &chunks[..3] {
+        assert_eq!(c["id"], id);
+        assert_eq!(c["object"], "text_completion");
+        assert_eq!(c["choices"].as_array().unwrap().len(), 1);
+        assert!(c.get("usage").is_none());
+    }
+    assert_eq!(chunks[0]["choices"][0]["finish_reason"], Value::Null);
+    assert_eq!(chunks[2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[3]["choices"], json!([]));
+    assert_eq!(
+        chunks[3]["usage"],
+        json!({"prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
+    // The byte framing of the whole stream: data events only, [DONE] last.
+    assert!(r.text().ends_with("}\n\ndata: [DONE]\n\n"));
+
+    // Chat: the first chunk announces the role with empty content.
+    let r = post_json(
+        p.http_addr(),
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "stream": true}),
+    )
+    .await?;
+    let events = r.sse_events()?;
+    assert_eq!(events.len(), 4, "{events:?}");
+    let first: Value = serde_json::from_str(&events[0])?;
+    assert!(first["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(
+        first["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let last: Value = serde_json::from_str(&events[2])?;
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[3], "[DONE]");
+    Ok(())
+}
+
+#[tokio::test]
+async fn chat_tokenize_models_health_version() -> anyhow::Result<()> {
+    let p = pod(SimConfig {
+        lora_modules: vec![("sql-lora".into(), "/adapters/sql".into())],
+        ..details_config()
+    })
+    .await;
+    let chat = post_json(
+        p.http_addr(),
+        "/v1/chat/completions",
+        &json!({"model": "sql-lora", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4}),
+    )
+    .await?;
+    assert_eq!(chat.status, 200, "{}", chat.text());
+    let chat = chat.json()?;
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["model"], "sql-lora");
+    assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(chat["usage"]["completion_tokens"], 4);
+
+    let tok = post_json(
+        p.http_addr(),
+        "/tokenize",
+        &json!({"model": "vllm-sim", "messages": [{"role": "user", "content": "hi"}],
+                "add_generation_prompt": true}),
+    )
+    .await?
+    .json()?;
+    // /tokenize and the chat request count the same prompt.
+    assert_eq!(tok["count"], chat["usage"]["prompt_tokens"]);
+    assert_eq!(tok["max_model_len"], 4096);
+    let rendered = post_json(
+        p.http_addr(),
+        "/v1/chat/completions/render",
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await?
+    .json()?;
+    assert_eq!(rendered["token_ids"], tok["tokens"]);
+    let rc = post_json(
+        p.http_addr(),
+        "/v1/completions/render",
+        &json!({"prompt": ["ab", "c"]}),
+    )
+    .await?
+    .json()?;
+    assert_eq!(rc.as_array().map(Vec::len), Some(2));
+
+    let models = get(p.http_addr(), "/v1/models").await?.json()?;
+    assert_eq!(models["object"], "list");
+    let data = models["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[0]["id"], "vllm-sim");
+    assert_eq!(data[0]["owned_by"], "vllm");
+    assert_eq!(data[1]["id"], "sql-lora");
+    assert_eq!(data[1]["parent"], "vllm-sim");
+    assert_eq!(data[1]["root"], "/adapters/sql");
+
+    let h = get(p.http_addr(), "/health").await?;
+    assert_eq!((h.status, h.body.len()), (200, 0));
+    assert_eq!(get(p.http_addr(), "/ping").await?.status, 200);
+    assert_eq!(
+        get(p.http_addr(), "/version").await?.text(),
+        "{\"version\":\"0.33.0\"}"
+    );
+    let m = get(p.http_addr(), "/metrics").await?.text();
+    assert!(m.contains("vllm:lora_requests_info{max_lora=\"1\""), "{m}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn metrics_parse_with_the_sidecar_and_show_max_num_seqs() -> anyhow::Result<()> {
+    // Real-time steps of 10 ms: five long requests stay in the engine while we look.
+    let p = pod(SimConfig {
+        engine: EngineConfig {
+            max_num_seqs: 2,
+            time_scale: 1.0,
+            ..fast_engine()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let addr = p.http_addr();
+    let mut clients = Vec::new();
+    for i in 0..5u32 {
+        clients.push(tokio::spawn(async move {
+            post_json(
+                addr,
+                "/v1/completions",
+                &json!({"prompt": [i + 1, 2, 3], "max_tokens": 2000}),
+            )
+            .await
+        }));
+    }
+    let mut seen = None;
+    for _ in 0..200 {
+        let text = get(addr, "/metrics").await?.text();
+        let m = kvsight_sidecar::scrape::parse(&text)?;
+        if m.running > 0.0 && m.running + m.waiting >= 5.0 {
+            seen = Some(m);
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let m = seen.expect("five requests reach the engine");
+    assert_eq!(m.running, 2.0);
+    assert_eq!(m.waiting, 3.0);
+    assert!(m.kv_usage > 0.0);
+    let cc = m.cache_config.expect("cache_config_info");
+    assert_eq!(cc.block_size, 16);
+    assert_eq!(cc.num_gpu_blocks, 4096);
+    assert!(cc.enable_prefix_caching);
+    assert_eq!(m.engines, 1);
+    drop(p);
+    for c in clients {
+        c.abort();
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn ttft_grows_with_uncached_tokens() -> anyhow::Result<()> {
+    // 1 000 prefill tokens/s scaled by 0.05: 1 900 uncached tokens take ~95 ms, a cached repeat
+    // recomputes 12 tokens (~0.6 ms).
+    let p = pod(SimConfig {
+        engine: EngineConfig {
+            time_scale: 0.05,
+            cost: kvsight_testbed::sim::engine::CostModel {
+                prefill_tokens_per_s: 1000.0,
+                compile_stall: Duration::ZERO,
+                ..Default::default()
+            },
+            ..EngineConfig::default()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let prompt: Vec<u32> = (0..1900).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 1});
+    let ttft_sum = |text: &str| metric(text, "vllm:time_to_first_token_seconds_sum").unwrap();
+    post_json(p.http_addr(), "/v1/completions", &body).await?;
+    let after_cold = ttft_sum(&get(p.http_addr(), "/metrics").await?.text());
+    post_json(p.http_addr(), "/v1/completions", &body).await?;
+    let after_warm = ttft_sum(&get(p.http_addr(), "/metrics").await?.text());
+    let cold = after_cold;
+    let warm = after_warm - after_cold;
+    assert!(cold >= 0.09, "cold TTFT {cold}");
+    assert!(warm < cold / 4.0, "warm TTFT {warm} vs cold {cold}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn compile_stall_once_per_bucket() -> anyhow::Result<()> {
+    // A 4 s stall scaled by 0.05 = 200 ms, paid by the first step of each new token bucket.
+    let p = pod(SimConfig {
+        engine: EngineConfig {
+            time_scale: 0.05,
+            cost: kvsight_testbed::sim::engine::CostModel {
+                compile_stall: Duration::from_secs(4),
+                ..Default::default()
+            },
+            ..EngineConfig::default()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let mut last = 0.0;
+    let mut ttfts = Vec::new();
+    // 100-token prompts (bucket 128) twice, then a 1 000-token prompt (bucket 1 024).
+    for (start, len) in [(0u32, 100u32), (10_000, 100), (20_000, 1000)] {
+        let prompt: Vec<u32> = (start..start + len).collect();
+        let r = post_json(
+            p.http_addr(),
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 1}),
+        )
+        .await?;
+        assert_eq!(r.status, 200);
+        let sum = metric(
+            &get(p.http_addr(), "/metrics").await?.text(),
+            "vllm:time_to_first_token_seconds_sum",
+        )
+        .unwrap();
+        ttfts.push(sum - last);
+        last = sum;
+    }
+    assert!(ttfts[0] >= 0.2, "{ttfts:?}");
+    assert!(ttfts[1] < 0.1, "{ttfts:?}");
+    assert!(ttfts[2] >= 0.2, "{ttfts:?}");
+    Ok(())
+}
+
+const METRICS_FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/fixtures/vllm/metrics-0.33.txt"
+);
+
+#[tokio::test]
+async fn metrics_have_the_fixture_names_types_and_labels() -> anyhow::Result<()> {
+    let Ok(fixture) = std::fs::read_to_string(METRICS_FIXTURE) else {
+        eprintln!(
+            "skipped: metrics_have_the_fixture_names_types_and_labels: fixture {METRICS_FIXTURE} absent"
+        );
+        return Ok(());
+    };
+    let p = pod(SimConfig {
+        lora_modules: vec![("sql-lora".into(), "/a".into())],
+        ..details_config()
+    })
+    .await;
+    post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+    )
+    .await?;
+    let ours = get(p.http_addr(), "/metrics").await?.text();
+    // Every HELP and TYPE line of vLLM 0.33's exposition, verbatim.
+    for line in fixture.lines().filter(|l| l.starts_with("# ")) {
+        assert!(ours.lines().any(|l| l == line), "missing {line:?}");
+    }
+    // Every sample name with the same label keys (and `le` bounds) as vLLM's.
+    use std::collections::BTreeSet;
+    /// (sample name, label keys, `le` value)
+    type Shape = (String, Vec<String>, Option<String>);
+    let keys = |text: &str| -> anyhow::Result<BTreeSet<Shape>> {
+        Ok(kvsight_sidecar::scrape::samples(text)?
+            .into_iter()
+            .map(|s| {
+                let le = s.labels.get("le").cloned();
+                let names = s.labels.keys().map(|k| (*k).to_owned()).collect();
+                (s.name.to_owned(), names, le)
+            })
+            .collect())
+    };
+    let (want, have) = (keys(&fixture)?, keys(&ours)?);
+    let missing: Vec<_> = want.difference(&have).collect();
+    // The fixture's prefill-token buckets stop at its max_model_len; ours at 4096.
+    let missing: Vec<_> = missing
+        .into_iter()
+        .filter(|(n, _, le)| {
+            !(n == "vllm:request_prefill_kv_computed_tokens_bucket"
+                && le.as_deref().and_then(|v| v.parse::<f64>().ok()) > Some(4096.0))
+        })
+        .collect();
+    assert!(missing.is_empty(), "samples missing: {missing:?}");
+    Ok(())
+}
