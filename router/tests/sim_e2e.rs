@@ -104,3 +104,78 @@ async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
     assert!(text.contains("finish_reason\":\"length\""), "{text}");
     assert!(!text.contains("\"error\""), "{text}");
 }
+
+#[tokio::test]
+async fn three_sim_pods_concentrate_a_shared_prefix_then_spread_after_a_reload_to_prefix_zero() {
+    let dir = std::env::temp_dir().join(format!("kvsight-e2e-reload-{}", rand_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("router.yaml");
+    std::fs::write(&path, "scheduler:\n  weights:\n    prefix: 3\n").unwrap();
+    let st = state(RouterConfig::load(&path).unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    kvsight_router::reload::spawn_watcher(st.clone(), path.clone(), stop.clone()).unwrap();
+    let mut sims = Vec::new();
+    for i in 0..3 {
+        let sim = SimPod::start(SimConfig {
+            served_model_names: vec![MODEL.into()],
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let mut reg = st.registry();
+        let (key, conn) = reg.register(
+            hello(&format!("sim{i}"), &sim.base_url(), &[]),
+            Instant::now(),
+        );
+        reg.apply_load(
+            &key,
+            conn,
+            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
+            Instant::now(),
+        )
+        .unwrap();
+        drop(reg);
+        sims.push(sim);
+    }
+    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let system = "You are a careful assistant who answers in complete sentences. ".repeat(10);
+    let batch = |tag: &'static str| {
+        let (router, system) = (router.clone(), system.clone());
+        async move {
+            let mut pods = Vec::new();
+            for i in 0..6 {
+                let resp = reqwest::Client::builder()
+                    .no_proxy()
+                    .build()
+                    .unwrap()
+                    .post(format!("{router}/v1/completions"))
+                    .header("x-kvsight-debug", "1")
+                    .body(json!({"model": MODEL, "prompt": format!("{system} {tag} {i}"), "max_tokens": 2}).to_string())
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let d: Value =
+                    serde_json::from_str(resp.headers()["x-kvsight-decision"].to_str().unwrap())
+                        .unwrap();
+                pods.push(d["pod"].as_str().unwrap().to_owned());
+                let _ = resp.text().await;
+            }
+            pods
+        }
+    };
+    let first = batch("a").await;
+    assert!(first.iter().all(|p| *p == first[0]), "{first:?}");
+
+    let mut events = st.reload_events();
+    std::fs::write(&path, "scheduler:\n  weights:\n    prefix: 0\n").unwrap();
+    tokio::time::timeout(Duration::from_secs(10), events.wait_for(|n| *n >= 1))
+        .await
+        .unwrap()
+        .unwrap();
+    let second = batch("b").await;
+    let distinct: std::collections::BTreeSet<_> = second.iter().collect();
+    assert!(distinct.len() >= 2, "spread after prefix: 0: {second:?}");
+    stop.cancel();
+    let _ = std::fs::remove_dir_all(&dir);
+}
