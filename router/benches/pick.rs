@@ -1,0 +1,182 @@
+//! Hot paths of the router: a pick over 64 pods for a 512-block chain (cold, partial and the
+//! worst case where every pod holds the whole chain), and tokenize + hash of a ~2k-token chat
+//! with the project's own tokenizer. Besides criterion's figures, each pick case prints its p50
+//! and p99 over 20 000 single picks (criterion reports means, the target is a p99).
+//!
+//! `cargo bench -p kvsight-router --bench pick`
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use kvsight_protocol::bloom::{BloomFilter, FilterParams};
+use kvsight_protocol::hash::{ChainSeed, hash_chain};
+use kvsight_protocol::messages::*;
+use kvsight_router::config::SchedulerConfig;
+use kvsight_router::pods::Registry;
+use kvsight_router::scheduler::{PickRequest, Scheduler};
+use kvsight_router::tokenize::{model_tokenizer, read_dir};
+
+const PODS: usize = 64;
+const BLOCKS: usize = 512;
+const BS: u32 = 16;
+
+/// How many leading blocks of the chain pod `i` holds.
+type Held = fn(usize) -> usize;
+
+fn hello(i: usize) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        instance_id: i as u64,
+        pod: PodIdentity {
+            name: format!("pod-{i}"),
+            namespace: "ns".into(),
+            url: format!("http://10.0.0.{i}:8000"),
+            labels: BTreeMap::new(),
+        },
+        engine: EngineFacts {
+            block_size: BS,
+            num_gpu_blocks: 100_000,
+            prefix_caching: true,
+            max_num_seqs: 256,
+            max_model_len: 32_768,
+            max_num_batched_tokens: Some(8192),
+            engine_version: "0.33.0".into(),
+        },
+        models: vec!["m".into()],
+        lora_adapters: vec![],
+        tokenizer: None,
+        sidecar_version: "bench".into(),
+        load_interval_ms: 3_600_000,
+    }
+}
+
+fn load(i: usize) -> Load {
+    Load {
+        seq: 1,
+        sample_age_ms: 0,
+        phase: Phase::Ready,
+        cache_view: CacheView::Exact,
+        running: (i % 7) as u32,
+        waiting: 0,
+        kv_usage: 0.3,
+        unrouted: 0,
+        prefix_cache_queries: 0,
+        prefix_cache_hits: 0,
+        preemptions: 0,
+        prefill_tokens_per_s: Some(20_000.0),
+        lora_running: vec![],
+        lora_waiting: vec![],
+    }
+}
+
+/// 64 Ready pods; pod `i` holds the first `held(i)` blocks of `chain` plus 20 000 other blocks.
+fn registry(chain: &[u64], held: impl Fn(usize) -> usize) -> Registry {
+    let now = Instant::now();
+    let mut reg = Registry::new();
+    let params = FilterParams::for_capacity(100_000, 0.01);
+    for i in 0..PODS {
+        let (key, conn) = reg.register(hello(i), now);
+        reg.apply_load(&key, conn, load(i), now).unwrap();
+        let other = (0..20_000u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
+        let keys = chain[..held(i)].iter().copied().chain(other);
+        let f = BloomFilter::from_keys(params, keys).unwrap();
+        let snap = CacheSnapshot {
+            version: 1,
+            params: f.params(),
+            resident_blocks: 0,
+            bits: f.words().flat_map(u64::to_le_bytes).collect(),
+        };
+        reg.apply_snapshot(&key, conn, &snap).unwrap();
+    }
+    reg
+}
+
+fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
+    samples.sort();
+    (
+        samples[samples.len() / 2],
+        samples[samples.len() * 99 / 100],
+    )
+}
+
+fn pick_bench(c: &mut Criterion) {
+    let tokens: Vec<u32> = (0..BLOCKS as u32 * BS).map(|t| t % 50_000).collect();
+    let chain = hash_chain(
+        &ChainSeed {
+            lora: None,
+            cache_salt: None,
+        },
+        &tokens,
+        BS as usize,
+    );
+    // Pending entries would make every pod match after a few picks; expire them at once so each
+    // case keeps its shape.
+    let cfg = SchedulerConfig {
+        pending_ttl_seconds: 1e-9,
+        ..SchedulerConfig::default()
+    };
+    let sched = Scheduler::new(&cfg);
+    let req = PickRequest {
+        model: "m",
+        pool: None,
+        prompt_tokens: tokens.len() as u32,
+        tokens: Some(&tokens),
+        cache_salt: None,
+        exclude: &[],
+    };
+    let cases: [(&str, Held); 3] = [
+        ("cold", |_| 0),
+        ("partial", |i| (i * 8) % BLOCKS),
+        ("worst_all_hold_whole_chain", |_| BLOCKS),
+    ];
+    for (name, held) in cases {
+        let mut reg = registry(&chain, held);
+        let mut samples = Vec::with_capacity(20_000);
+        for _ in 0..20_000 {
+            let t = Instant::now();
+            black_box(sched.pick(&mut reg, &req, Instant::now()).unwrap());
+            samples.push(t.elapsed());
+        }
+        let (p50, p99) = percentiles(samples);
+        eprintln!("pick 64 pods x 512 blocks [{name}]: p50 {p50:?}, p99 {p99:?}");
+        c.bench_function(&format!("pick_64x512_{name}"), |b| {
+            b.iter(|| black_box(sched.pick(&mut reg, &req, Instant::now()).unwrap()))
+        });
+    }
+}
+
+fn tokenize_bench(c: &mut Criterion) {
+    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: tokenize_bench: own tokenizer unavailable: {e}");
+            return;
+        }
+    };
+    let tok = model_tokenizer(&read_dir(&dir).unwrap()).unwrap();
+    let system = kvsight_testbed::own_tokenizer::guidelines_preamble(120, 7);
+    let body = serde_json::json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Which of these guidelines matters most for a short answer?"}
+        ]
+    });
+    let n = tok.encode_chat(&body).unwrap().len();
+    eprintln!("chat prompt: {n} tokens");
+    let seed = ChainSeed {
+        lora: None,
+        cache_salt: None,
+    };
+    c.bench_function(&format!("tokenize_and_hash_chat_{n}_tokens"), |b| {
+        b.iter(|| {
+            let t = tok.encode_chat(black_box(&body)).unwrap();
+            black_box(hash_chain(&seed, &t, BS as usize))
+        })
+    });
+}
+
+criterion_group!(benches, pick_bench, tokenize_bench);
+criterion_main!(benches);

@@ -1,0 +1,90 @@
+//! The one HTTP error type. Every error the router itself produces leaves as vLLM's
+//! OpenAI-shaped body (`{"error":{"message","type","param","code"}}`, every field present, `code`
+//! = the status), so a client cannot tell a router error from an engine error by its shape.
+
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Errors answered to the client before a response from a pod began.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{message}")]
+    BadParam {
+        message: String,
+        param: &'static str,
+    },
+    #[error("The model `{0}` does not exist.")]
+    UnknownModel(String),
+    #[error("no ready pod serves model `{0}`")]
+    NoReadyPod(String),
+    #[error("the router is shutting down")]
+    ShuttingDown,
+    #[error("the request deadline of {0:?} passed before the pod answered")]
+    Deadline(Duration),
+    #[error("upstream pod {pod} failed: {message}")]
+    Upstream { pod: String, message: String },
+    #[error("{0}")]
+    NotFound(String),
+}
+
+/// Seconds a client should wait before retrying when no pod is ready: about one report interval.
+pub const RETRY_AFTER_SECS: u32 = 1;
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BadRequest(_) | ApiError::BadParam { .. } => StatusCode::BAD_REQUEST,
+            ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NoReadyPod(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            ApiError::UnknownModel(_) => Some("model"),
+            ApiError::BadParam { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
+    /// The `{"error":{…}}` object, also used for the SSE event that ends a cut stream.
+    pub fn body(&self) -> serde_json::Value {
+        error_body(self.status(), &self.to_string(), self.param())
+    }
+}
+
+/// vLLM's error object for `status`.
+pub fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> serde_json::Value {
+    let kind = match status.as_u16() {
+        400 => "BadRequestError",
+        404 => "NotFoundError",
+        413 => "RequestEntityTooLarge",
+        502 => "BadGatewayError",
+        503 => "ServiceUnavailableError",
+        504 => "GatewayTimeoutError",
+        _ => "InternalServerError",
+    };
+    json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}})
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if matches!(self, ApiError::NoReadyPod(_) | ApiError::ShuttingDown) {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+        }
+        resp
+    }
+}

@@ -1,0 +1,154 @@
+//! The kvsight-router binary: parse flags and the config file (exit 64 naming the field when
+//! either is wrong), bind, run until SIGTERM/Ctrl-C, drain.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use kvsight_router::config::RouterConfig;
+use kvsight_router::{Listeners, RunConfig, RunError};
+use kvsight_transport::TlsMaterial;
+
+/// sysexits' EX_CONFIG-adjacent EX_USAGE: the configuration is wrong, restarting will not help.
+const EXIT_CONFIG: u8 = 64;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvsight-router",
+    version,
+    about = "Routes OpenAI requests to vLLM pods by their real KV-cache state"
+)]
+struct Args {
+    /// HTTP listen address.
+    #[arg(long, env = "KVSIGHT_LISTEN", default_value = "0.0.0.0:8080")]
+    listen: SocketAddr,
+    /// QUIC listen address for sidecars.
+    #[arg(long, env = "KVSIGHT_QUIC_LISTEN", default_value = "0.0.0.0:4433")]
+    quic_listen: SocketAddr,
+    /// This router's certificate (PEM).
+    #[arg(long, env = "KVSIGHT_TLS_CERT")]
+    tls_cert: PathBuf,
+    /// This router's private key (PEM).
+    #[arg(long, env = "KVSIGHT_TLS_KEY")]
+    tls_key: PathBuf,
+    /// The CA that signs sidecar certificates (PEM).
+    #[arg(long, env = "KVSIGHT_TLS_CA")]
+    tls_ca: PathBuf,
+    /// Config file (YAML or TOML), reloaded on change. Without it: defaults, no pools.
+    #[arg(long, env = "KVSIGHT_CONFIG")]
+    config: Option<PathBuf>,
+    /// This replica's name, shown to sidecars (default: the host name).
+    #[arg(long, env = "KVSIGHT_ROUTER_ID")]
+    router_id: Option<String>,
+    /// Seconds in-flight streams get to finish after SIGTERM.
+    #[arg(long, env = "KVSIGHT_GRACE_SECONDS", default_value_t = 30.0)]
+    grace_seconds: f64,
+    /// Seconds between /ready turning 503 and closing the listener.
+    #[arg(long, env = "KVSIGHT_READY_DELAY_SECONDS", default_value_t = 0.0)]
+    ready_delay_seconds: f64,
+}
+
+fn secs(field: &str, v: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| format!("--{field}: {v} is not a valid number of seconds"))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cfg = match prepare(&args) {
+        Ok(c) => c,
+        Err(msg) => {
+            eprintln!("kvsight-router: configuration error: {msg}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvsight-router: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(serve(&args, cfg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        // A configured tokenizer folder that cannot be read is a configuration error too.
+        Err(e) if matches!(e.downcast_ref(), Some(RunError::Tokenizer { .. })) => {
+            eprintln!("kvsight-router: configuration error: {e:#}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+        Err(e) => {
+            eprintln!("kvsight-router: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Everything checked before a port is bound.
+fn prepare(args: &Args) -> Result<RunConfig, String> {
+    let config = match &args.config {
+        Some(p) => RouterConfig::load(p).map_err(|e| e.to_string())?,
+        None => RouterConfig::default(),
+    };
+    let tls = TlsMaterial::from_pem_files(&args.tls_cert, &args.tls_key, &args.tls_ca)
+        .map_err(|e| format!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
+    let router_id = args
+        .router_id
+        .clone()
+        .unwrap_or_else(|| std::env::var("HOSTNAME").unwrap_or_else(|_| "kvsight-router".into()));
+    Ok(RunConfig {
+        config,
+        config_path: args.config.clone(),
+        tls,
+        router_id,
+        ready_delay: secs("ready-delay-seconds", args.ready_delay_seconds)?,
+        grace: secs("grace-seconds", args.grace_seconds)?,
+        tokenizer_loader: Some(kvsight_router::tokenize::default_loader()),
+    })
+}
+
+async fn serve(args: &Args, cfg: RunConfig) -> anyhow::Result<()> {
+    let http = tokio::net::TcpListener::bind(args.listen).await?;
+    let quic = std::net::UdpSocket::bind(args.quic_listen)?;
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        signal.cancel();
+    });
+    kvsight_router::run(Listeners { http, quic }, cfg, shutdown).await?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,216 @@
+//! Prometheus metrics of one router replica. Counters and histograms are updated on the request
+//! path; the per-pod gauges (phase counts, in-flight, unrouted, report age, hit rate) are
+//! recomputed from the registry at scrape time, so a pod that left disappears from them.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry as PromRegistry;
+
+use kvsight_protocol::Phase;
+
+use crate::pods::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Every metric the router exports.
+pub struct Metrics {
+    prom: PromRegistry,
+    pub requests: Family<Labels, Counter>,
+    pub pick_seconds: Histogram,
+    pub prefix_match_ratio: Histogram,
+    pub tokenize_seconds: Histogram,
+    pub retries: Family<Labels, Counter>,
+    pub stream_cuts: Family<Labels, Counter>,
+    pub config_reloads: Family<Labels, Counter>,
+    /// Requests by how their prefix chain was computed: `exact` (the model's tokenizer) or
+    /// `approximate` (character chunks, no tokenizer for the model yet).
+    pub prefix_mode: Family<Labels, Counter>,
+    pods: Family<Labels, Gauge>,
+    inflight: Family<Labels, Gauge>,
+    unrouted: Family<Labels, Gauge>,
+    report_age: Family<Labels, Gauge<f64, AtomicU64>>,
+    hit_rate: Family<Labels, Gauge<f64, AtomicU64>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut prom = PromRegistry::default();
+        let m = Metrics {
+            requests: Family::default(),
+            // 1 µs .. ~1 s
+            pick_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 20)),
+            prefix_match_ratio: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]),
+            tokenize_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 18)),
+            retries: Family::default(),
+            stream_cuts: Family::default(),
+            config_reloads: Family::default(),
+            prefix_mode: Family::default(),
+            pods: Family::default(),
+            inflight: Family::default(),
+            unrouted: Family::default(),
+            report_age: Family::default(),
+            hit_rate: Family::default(),
+            prom: PromRegistry::default(),
+        };
+        // prometheus-client appends `_total` to counters itself.
+        prom.register(
+            "kvsight_router_requests",
+            "Requests by pool, pod and HTTP status",
+            m.requests.clone(),
+        );
+        prom.register(
+            "kvsight_router_pick_seconds",
+            "Time to pick a pod (filters + scorers, under the registry lock)",
+            m.pick_seconds.clone(),
+        );
+        prom.register(
+            "kvsight_router_prefix_match_ratio",
+            "Matched blocks over chain length on the chosen pod",
+            m.prefix_match_ratio.clone(),
+        );
+        prom.register(
+            "kvsight_router_tokenize_seconds",
+            "Time to tokenize and hash a prompt",
+            m.tokenize_seconds.clone(),
+        );
+        prom.register(
+            "kvsight_router_retries",
+            "Retries by reason (connect_refused, context_fallback)",
+            m.retries.clone(),
+        );
+        prom.register(
+            "kvsight_router_stream_cuts",
+            "Streams ended with an SSE error event, by reason (deadline, upstream)",
+            m.stream_cuts.clone(),
+        );
+        prom.register(
+            "kvsight_router_config_reloads",
+            "Config file reloads by outcome (applied, rejected)",
+            m.config_reloads.clone(),
+        );
+        prom.register(
+            "kvsight_router_prefix_mode",
+            "Requests by prefix mode: exact (tokenizer) or approximate (router-side memory)",
+            m.prefix_mode.clone(),
+        );
+        prom.register(
+            "kvsight_router_pods",
+            "Registered pods by phase",
+            m.pods.clone(),
+        );
+        prom.register(
+            "kvsight_router_inflight",
+            "This replica's in-flight requests per pod",
+            m.inflight.clone(),
+        );
+        prom.register(
+            "kvsight_router_unrouted",
+            "Load on the pod that no router sent, as its sidecar reports it",
+            m.unrouted.clone(),
+        );
+        prom.register(
+            "kvsight_router_report_age_seconds",
+            "Seconds since the pod's last load report",
+            m.report_age.clone(),
+        );
+        prom.register(
+            "kvsight_router_pod_prefix_cache_hit_ratio",
+            "The pod's own prefix-cache hits over queries (tokens), from its reported counters",
+            m.hit_rate.clone(),
+        );
+        Metrics { prom, ..m }
+    }
+
+    pub fn request(&self, pool: &str, pod: &str, code: u16) {
+        self.requests
+            .get_or_create(&vec![
+                ("pool", pool.to_owned()),
+                ("pod", pod.to_owned()),
+                ("code", code.to_string()),
+            ])
+            .inc();
+    }
+
+    pub fn retry(&self, reason: &'static str) {
+        self.retries
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    pub fn cut(&self, reason: &'static str) {
+        self.stream_cuts
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    pub fn reload(&self, outcome: &'static str) {
+        self.config_reloads
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
+    }
+
+    pub fn mode(&self, model: &str, mode: &'static str) {
+        self.prefix_mode
+            .get_or_create(&vec![
+                ("model", model.to_owned()),
+                ("mode", mode.to_owned()),
+            ])
+            .inc();
+    }
+
+    /// Refreshes the per-pod gauges from the registry and renders the text exposition.
+    pub fn render(&self, reg: &Registry, now: Instant) -> String {
+        self.pods.clear();
+        self.inflight.clear();
+        self.unrouted.clear();
+        self.report_age.clear();
+        self.hit_rate.clear();
+        for phase in Phase::ALL {
+            self.pods
+                .get_or_create(&vec![("phase", phase.as_str().to_owned())])
+                .set(0);
+        }
+        for pod in reg.pods() {
+            let l = vec![("pod", pod.key.clone())];
+            self.pods
+                .get_or_create(&vec![("phase", pod.phase().as_str().to_owned())])
+                .inc();
+            self.inflight.get_or_create(&l).set(i64::from(pod.inflight));
+            if let Some(s) = &pod.load {
+                self.unrouted
+                    .get_or_create(&l)
+                    .set(i64::from(s.load.unrouted));
+                if s.load.prefix_cache_queries > 0 {
+                    self.hit_rate
+                        .get_or_create(&l)
+                        .set(s.load.prefix_cache_hits as f64 / s.load.prefix_cache_queries as f64);
+                }
+            }
+            self.report_age
+                .get_or_create(&l)
+                .set(pod.report_age(now).as_secs_f64());
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.prom);
+        out
+    }
+}

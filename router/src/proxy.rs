@@ -1,0 +1,547 @@
+//! One OpenAI request end to end: read the body under the limit, parse `model` and the prompt,
+//! choose the pool, tokenize, pick, forward, and stream the answer back — all under one deadline
+//! (`timeouts.requestSeconds`). Before the pod's response began a failure is a 504/502 error
+//! body; after, the stream ends with `data: {"error":…}` + `data: [DONE]` so a client can tell a
+//! cut answer from a whole one. Retries happen only where no generation can have started: a
+//! refused connection (one other pod) and vLLM's context-length 400 from a pool with a fallback
+//! (resent once to the fallback pool, before any byte reached the client).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::time::{Instant as TokioInstant, sleep_until, timeout, timeout_at};
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::{Instrument, field, info_span, warn};
+
+use crate::config::PoolConfig;
+use crate::error::{ApiError, error_body};
+use crate::scheduler::{Decision, PickError, PickRequest};
+use crate::state::{Live, State};
+use crate::tokenize::{self, Prompt};
+
+pub const REQUEST_ID: &str = "x-request-id";
+pub const DEBUG: &str = "x-kvsight-debug";
+pub const DECISION: &str = "x-kvsight-decision";
+
+/// The two generation endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    pub fn path(self) -> &'static str {
+        match self {
+            Kind::Completion => "/v1/completions",
+            Kind::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1), plus the ones the client
+/// library recomputes.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Copies end-to-end headers: drops hop-by-hop ones and any the `Connection` header names.
+pub fn end_to_end(src: &HeaderMap) -> HeaderMap {
+    let named: Vec<String> = src
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|s| s.trim().to_ascii_lowercase())
+        .collect();
+    let mut out = HeaderMap::with_capacity(src.len());
+    for (name, value) in src {
+        let n = name.as_str();
+        if HOP_BY_HOP.contains(&n) || named.iter().any(|x| x == n) {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+/// Reads the whole body or fails with 413 naming the limit.
+pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let inner = e.into_inner();
+        if inner
+            .downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            ApiError::BodyTooLarge { limit }
+        } else {
+            ApiError::BadRequest(format!("could not read the request body: {inner}"))
+        }
+    })
+}
+
+/// Parses a JSON object body and its `model`.
+pub fn parse_body(bytes: &[u8]) -> Result<(Value, String), ApiError> {
+    let json: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::BadRequest(format!("the request body is not valid JSON: {e}")))?;
+    if !json.is_object() {
+        return Err(ApiError::BadRequest(
+            "the request body must be a JSON object".into(),
+        ));
+    }
+    let model = match json.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        _ => {
+            return Err(ApiError::BadParam {
+                message: "`model` is required and must be a non-empty string".into(),
+                param: "model",
+            });
+        }
+    };
+    Ok((json, model))
+}
+
+/// Calls `record_done` for the pod when the request ends, whatever the outcome (also when the
+/// client goes away mid-stream and the pump is dropped).
+struct Done {
+    state: Arc<State>,
+    pod: String,
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        self.state.registry().record_done(&self.pod);
+    }
+}
+
+/// Entry point of both generation endpoints.
+pub async fn handle(state: Arc<State>, kind: Kind, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let request_id = parts
+        .headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 200)
+        .map(str::to_owned)
+        .unwrap_or_else(|| state.new_request_id());
+    let span =
+        info_span!("request", request_id = %request_id, pool = field::Empty, pod = field::Empty);
+    let rid = HeaderValue::from_str(&request_id).ok();
+    let mut resp = async {
+        match forward(&state, kind, &parts.headers, body, &request_id).await {
+            Ok(r) => r,
+            Err((pool, e)) => {
+                state.metrics.request(&pool, "", e.status().as_u16());
+                e.into_response()
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+    if let Some(rid) = rid {
+        resp.headers_mut().insert(REQUEST_ID, rid);
+    }
+    resp
+}
+
+async fn forward(
+    state: &Arc<State>,
+    kind: Kind,
+    in_headers: &HeaderMap,
+    body: Body,
+    request_id: &str,
+) -> Result<Response, (String, ApiError)> {
+    let live = state.live();
+    let deadline = TokioInstant::now() + live.config.timeouts.request();
+    let no_pool = |e| (String::new(), e);
+    if state.is_draining() {
+        return Err(no_pool(ApiError::ShuttingDown));
+    }
+    let bytes = read_body(body, live.config.limits.body_bytes)
+        .await
+        .map_err(no_pool)?;
+    let (json, model) = parse_body(&bytes).map_err(no_pool)?;
+    let mut pool = live.config.pool_for(&model);
+    if pool.is_none() && !state.registry().pods().any(|p| p.serves(&model)) {
+        return Err(no_pool(ApiError::UnknownModel(model)));
+    }
+    let pool_name = |p: Option<&PoolConfig>| p.map_or_else(String::new, |p| p.name.clone());
+    tracing::Span::current().record("pool", pool_name(pool).as_str());
+
+    let t0 = Instant::now();
+    let prompt = tokenize::prompt_tokens(&state.tokenizers, &model, kind == Kind::Chat, &json)
+        .map_err(|e| (pool_name(pool), ApiError::BadRequest(e.to_string())))?;
+    state
+        .metrics
+        .tokenize_seconds
+        .observe(t0.elapsed().as_secs_f64());
+    state
+        .metrics
+        .mode(&model, if prompt.exact { "exact" } else { "approximate" });
+    let cache_salt = json.get("cache_salt").and_then(Value::as_str);
+    let debug = in_headers.get(DEBUG).is_some_and(|v| v.as_bytes() == b"1");
+
+    let mut headers = end_to_end(in_headers);
+    for h in [header::HOST, header::CONTENT_LENGTH] {
+        headers.remove(h);
+    }
+    headers.remove(DEBUG);
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        headers.insert(REQUEST_ID, v);
+    }
+
+    let mut exclude: Vec<String> = Vec::new();
+    let mut refused_retry = false;
+    let mut fallback_retry = false;
+    loop {
+        let (decision, used_pool) = pick(state, &live, &model, pool, &prompt, cache_salt, &exclude)
+            .map_err(|e| (pool_name(pool), e))?;
+        pool = used_pool;
+        let pname = pool_name(pool);
+        tracing::Span::current().record("pool", pname.as_str());
+        tracing::Span::current().record("pod", decision.pod.as_str());
+        let done = Done {
+            state: state.clone(),
+            pod: decision.pod.clone(),
+        };
+        let url = format!("{}{}", decision.url.trim_end_matches('/'), kind.path());
+        let send = state
+            .client
+            .post(url)
+            .headers(headers.clone())
+            .body(bytes.clone())
+            .send();
+        let upstream = match timeout_at(deadline, send).await {
+            Err(_) => {
+                let e = ApiError::Deadline(live.config.timeouts.request());
+                state.metrics.request(&pname, &decision.pod, 504);
+                return Ok(e.into_response());
+            }
+            Ok(Err(e)) if e.is_connect() && !refused_retry => {
+                // Nothing reached the engine: one other pod may take it.
+                warn!(pod = %decision.pod, error = %e, "connection refused, retrying on another pod");
+                state.metrics.retry("connect_refused");
+                refused_retry = true;
+                exclude.push(decision.pod.clone());
+                continue;
+            }
+            Ok(Err(e)) => {
+                let e = ApiError::Upstream {
+                    pod: decision.pod.clone(),
+                    message: error_chain(&e),
+                };
+                state.metrics.request(&pname, &decision.pod, 502);
+                return Ok(e.into_response());
+            }
+            Ok(Ok(r)) => r,
+        };
+        let fallback = pool
+            .and_then(|p| p.fallback.as_deref())
+            .and_then(|n| live.config.pool(n));
+        if upstream.status() == StatusCode::BAD_REQUEST
+            && !fallback_retry
+            && let Some(fb) = fallback
+        {
+            // A 400 is small and final: read it to see whether it is the context-length error.
+            let status = upstream.status();
+            let up_headers = end_to_end(upstream.headers());
+            let body = match timeout_at(deadline, upstream.bytes()).await {
+                Ok(Ok(b)) => b,
+                Ok(Err(e)) => {
+                    state.metrics.request(&pname, &decision.pod, 502);
+                    return Ok(ApiError::Upstream {
+                        pod: decision.pod.clone(),
+                        message: error_chain(&e),
+                    }
+                    .into_response());
+                }
+                Err(_) => {
+                    state.metrics.request(&pname, &decision.pod, 504);
+                    return Ok(ApiError::Deadline(live.config.timeouts.request()).into_response());
+                }
+            };
+            if is_context_length_error(&body) {
+                state.metrics.retry("context_fallback");
+                fallback_retry = true;
+                pool = Some(fb);
+                exclude.clear();
+                continue;
+            }
+            state
+                .metrics
+                .request(&pname, &decision.pod, status.as_u16());
+            let mut resp = Response::new(Body::from(body));
+            *resp.status_mut() = status;
+            *resp.headers_mut() = up_headers;
+            drop(done);
+            return Ok(resp);
+        }
+        let mode = if prompt.exact { "exact" } else { "approximate" };
+        return Ok(stream_back(
+            state,
+            upstream,
+            done,
+            deadline,
+            &pname,
+            debug.then(|| decision_header(&decision, mode)),
+        ));
+    }
+}
+
+/// Picks in `pool`; a prompt too long for it goes to the pool's fallback, or — without one — to
+/// a pod anyway, so the client gets vLLM's own 400 text.
+fn pick<'a>(
+    state: &State,
+    live: &'a Live,
+    model: &str,
+    pool: Option<&'a PoolConfig>,
+    prompt: &Prompt,
+    cache_salt: Option<&str>,
+    exclude: &[String],
+) -> Result<(Decision, Option<&'a PoolConfig>), ApiError> {
+    let mut pool = pool;
+    let mut hopped = false;
+    loop {
+        let req = PickRequest {
+            model,
+            pool,
+            prompt_tokens: u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX),
+            tokens: Some(&prompt.tokens),
+            cache_salt,
+            exclude,
+        };
+        match run_pick(state, live, &req) {
+            Ok(d) => return Ok((d, pool)),
+            Err(PickError::NoReadyPod(m)) => return Err(ApiError::NoReadyPod(m)),
+            Err(PickError::TooLong { .. }) => {
+                let fb = pool
+                    .and_then(|p| p.fallback.as_deref())
+                    .and_then(|n| live.config.pool(n));
+                match fb {
+                    Some(fb) if !hopped => {
+                        state.metrics.retry("too_long_direct");
+                        hopped = true;
+                        pool = Some(fb);
+                    }
+                    _ => {
+                        // No pool fits: let an engine say so in its own words.
+                        let req = PickRequest {
+                            prompt_tokens: 0,
+                            tokens: None,
+                            ..req
+                        };
+                        return run_pick(state, live, &req)
+                            .map(|d| (d, pool))
+                            .map_err(|e| ApiError::NoReadyPod(e.to_string()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn run_pick(state: &State, live: &Live, req: &PickRequest<'_>) -> Result<Decision, PickError> {
+    let t = Instant::now();
+    let result = {
+        let mut reg = state.registry();
+        live.scheduler.pick(&mut reg, req, Instant::now())
+    };
+    state
+        .metrics
+        .pick_seconds
+        .observe(t.elapsed().as_secs_f64());
+    if let Ok(d) = &result
+        && d.chain_len > 0
+    {
+        state
+            .metrics
+            .prefix_match_ratio
+            .observe(d.matched_blocks as f64 / d.chain_len as f64);
+    }
+    result
+}
+
+/// Whether a 400 body is vLLM's "prompt does not fit" error.
+pub fn is_context_length_error(body: &[u8]) -> bool {
+    let msg = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    msg.contains("maximum context length") || msg.contains("The decoder prompt (length")
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+/// The `x-kvsight-decision` value: compact JSON naming the pod, each scorer's value, the margin
+/// and the predicted cached prompt tokens.
+pub fn decision_header(d: &Decision, mode: &str) -> String {
+    let scores: serde_json::Map<String, Value> = d
+        .scores
+        .iter()
+        .map(|(n, v)| ((*n).to_owned(), json!(round(*v))))
+        .collect();
+    json!({
+        "pod": d.pod,
+        "scores": scores,
+        "total": round(d.total),
+        "margin": round(d.margin),
+        "predicted_cached_tokens": d.predicted_cached_tokens,
+        "matched_blocks": d.matched_blocks,
+        "chain_len": d.chain_len,
+        "all_saturated": d.all_saturated,
+        "least_request": d.least_request,
+        "candidates": d.candidates,
+        "prefix_mode": mode,
+    })
+    .to_string()
+}
+
+fn round(v: f64) -> f64 {
+    (v * 1e4).round() / 1e4
+}
+
+/// Chunks buffered between the upstream reader and the client: small, so a slow client slows
+/// the reader instead of growing memory.
+const STREAM_BUFFER: usize = 16;
+
+fn stream_back(
+    state: &Arc<State>,
+    upstream: reqwest::Response,
+    done: Done,
+    deadline: TokioInstant,
+    pool: &str,
+    decision: Option<String>,
+) -> Response {
+    let status = upstream.status();
+    let mut headers = end_to_end(upstream.headers());
+    let sse = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if sse {
+        // An error event may be appended, so the length is not known in advance.
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    if let Some(v) = decision.and_then(|d| HeaderValue::from_str(&d).ok()) {
+        headers.insert(HeaderName::from_static(DECISION), v);
+    }
+    state.metrics.request(pool, &done.pod, status.as_u16());
+    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    let pump = pump(state.clone(), upstream, tx, deadline, sse, done);
+    state
+        .tracker
+        .spawn(pump.instrument(tracing::Span::current()));
+    let mut resp = Response::new(Body::from_stream(ReceiverStream::new(rx)));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    resp
+}
+
+/// Copies the upstream body to the client chunk by chunk until it ends, the deadline passes,
+/// the pod fails or the client goes away.
+async fn pump(
+    state: Arc<State>,
+    upstream: reqwest::Response,
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    deadline: TokioInstant,
+    sse: bool,
+    done: Done,
+) {
+    let mut body = upstream.bytes_stream();
+    // Whether the bytes sent so far end between two SSE events.
+    let mut at_boundary = true;
+    let cut: Option<(&'static str, ApiError)> = loop {
+        // Checked every turn too: a body that is always ready would starve the timer arm.
+        if TokioInstant::now() >= deadline {
+            break Some(("deadline", ApiError::Deadline(Duration::ZERO)));
+        }
+        let next = tokio::select! {
+            biased;
+            n = body.next() => n,
+            _ = sleep_until(deadline) => break Some(("deadline", ApiError::Deadline(Duration::ZERO))),
+            // The client left while the pod is silent (a long prefill): stop now, so dropping
+            // the upstream body aborts the generation instead of finishing it for nobody.
+            _ = tx.closed() => break None,
+        };
+        match next {
+            None => break None,
+            Some(Ok(chunk)) => {
+                if chunk.is_empty() {
+                    continue;
+                }
+                at_boundary = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
+                match timeout_at(deadline, tx.send(Ok(chunk))).await {
+                    Ok(Ok(())) => {}
+                    // The client went away: dropping the upstream body cancels the generation.
+                    Ok(Err(_)) => break None,
+                    Err(_) => break Some(("deadline", ApiError::Deadline(Duration::ZERO))),
+                }
+            }
+            Some(Err(e)) => {
+                break Some((
+                    "upstream",
+                    ApiError::Upstream {
+                        pod: done.pod.clone(),
+                        message: error_chain(&e),
+                    },
+                ));
+            }
+        }
+    };
+    drop(body);
+    if let Some((reason, err)) = cut {
+        state.metrics.cut(reason);
+        warn!(reason, error = %err, "stream cut");
+        if sse {
+            let message = match &err {
+                ApiError::Deadline(_) => {
+                    "the request deadline passed; the answer is incomplete".to_owned()
+                }
+                other => format!("{other}; the answer is incomplete"),
+            };
+            let mut ev = String::new();
+            if !at_boundary {
+                ev.push_str("\n\n");
+            }
+            ev.push_str("data: ");
+            ev.push_str(&error_body(err.status(), &message, None).to_string());
+            ev.push_str("\n\ndata: [DONE]\n\n");
+            // The deadline has passed: give the last event a short, bounded chance.
+            let _ = timeout(Duration::from_secs(1), tx.send(Ok(Bytes::from(ev)))).await;
+        } else {
+            // A JSON body cannot carry a late error: abort it so the client sees a broken body.
+            let _ = tx.try_send(Err(std::io::Error::other(err.to_string())));
+        }
+    }
+    drop(done);
+}

@@ -1,0 +1,249 @@
+//! The QUIC listener sidecars connect to (mutual TLS: a client certificate from the configured CA
+//! is required by the endpoint, so a rogue pod never completes the handshake and never reaches
+//! the registry). One connection per pod, one bidirectional stream: `Hello` → `Welcome` (or
+//! `Refused` naming both versions), then load reports, filter snapshots and deltas flow in while
+//! this router reports its in-flight count for the pod. A malformed frame closes that connection
+//! only; the pod is unregistered whenever its connection ends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{Instant, MissedTickBehavior, timeout};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use kvsight_protocol::frame::FrameError;
+use kvsight_protocol::tokenizer_transfer::TokenizerAssembler;
+use kvsight_protocol::{
+    CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Refused, RouterMessage,
+    SidecarMessage, TokenizerRequest, Welcome,
+};
+use kvsight_transport::{FramedRecv, FramedSend, TransportError};
+
+use crate::pods::RegistryError;
+use crate::state::State;
+
+/// How long a new connection may take to open its stream and say `Hello`.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on waiting for a sidecar to read our `Goodbye` and close.
+pub const GOODBYE_GRACE: Duration = Duration::from_millis(300);
+/// Bound on waiting for sidecars to acknowledge the close at shutdown.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Accepts sidecars until `stop` is cancelled, then closes every connection with
+/// [`CloseReason::Shutdown`].
+pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: CancellationToken) {
+    // Connections have their own tracker: the HTTP drain waits for streams, not for pods.
+    let conns = TaskTracker::new();
+    loop {
+        let incoming = tokio::select! {
+            _ = stop.cancelled() => break,
+            i = endpoint.accept() => match i {
+                Some(i) => i,
+                None => break,
+            },
+        };
+        let (state, stop) = (state.clone(), stop.clone());
+        let remote = incoming.remote_address();
+        conns.spawn(
+            async move {
+                if let Err(e) = connection(incoming, state, stop).await {
+                    debug!(error = %e, "sidecar connection ended");
+                }
+            }
+            .instrument(info_span!("sidecar", %remote)),
+        );
+    }
+    // Each connection says Goodbye and closes itself; then the endpoint closes what is left.
+    conns.close();
+    let _ = timeout(CLOSE_GRACE, conns.wait()).await;
+    endpoint.close(CloseReason::Shutdown.code().into(), b"router shutting down");
+    let _ = timeout(CLOSE_GRACE, endpoint.wait_idle()).await;
+}
+
+fn close(conn: &quinn::Connection, reason: CloseReason, msg: &str) {
+    conn.close(reason.code().into(), msg.as_bytes());
+}
+
+async fn connection(
+    incoming: quinn::Incoming,
+    state: Arc<State>,
+    stop: CancellationToken,
+) -> Result<(), TransportError> {
+    // A certificate not signed by the CA fails here, before any application byte.
+    let conn = incoming.await?;
+    let Ok(accepted) = timeout(HELLO_TIMEOUT, conn.accept_bi()).await else {
+        close(&conn, CloseReason::ProtocolViolation, "no stream");
+        return Ok(());
+    };
+    let (send, recv) = accepted?;
+    let (mut send, mut recv) = (FramedSend::new(send), FramedRecv::new(recv));
+    let first = timeout(HELLO_TIMEOUT, recv.recv::<SidecarMessage>()).await;
+    let hello = match first {
+        Ok(Ok(Some(SidecarMessage::Hello(h)))) if h.protocol_version == PROTOCOL_VERSION => h,
+        Ok(Ok(Some(SidecarMessage::Hello(h)))) => {
+            return refuse(&conn, &mut send, h.protocol_version).await;
+        }
+        Ok(Err(TransportError::Frame(FrameError::VersionMismatch { theirs, .. }))) => {
+            return refuse(&conn, &mut send, theirs).await;
+        }
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => {
+            close(&conn, CloseReason::ProtocolViolation, "malformed frame");
+            return Err(e);
+        }
+        Ok(Ok(Some(_))) | Err(_) => {
+            close(&conn, CloseReason::ProtocolViolation, "expected Hello");
+            return Ok(());
+        }
+    };
+    send.send(&RouterMessage::Welcome(Welcome {
+        protocol_version: PROTOCOL_VERSION,
+        router_id: state.router_id.clone(),
+    }))
+    .await?;
+    let interval = Duration::from_millis(u64::from(hello.load_interval_ms.clamp(50, 60_000)));
+    let (key, conn_id) = state
+        .registry()
+        .register(hello.clone(), Instant::now().into_std());
+    let span = info_span!("pod", pod = %key);
+    info!(parent: &span, url = %hello.pod.url, models = ?hello.models, "pod registered");
+    let result = session(
+        &state, &hello, &key, conn_id, &conn, &mut send, &mut recv, &stop, interval,
+    )
+    .instrument(span.clone())
+    .await;
+    state.registry().unregister(&key, conn_id);
+    info!(parent: &span, "pod unregistered");
+    result
+}
+
+async fn refuse(
+    conn: &quinn::Connection,
+    send: &mut FramedSend,
+    theirs: u16,
+) -> Result<(), TransportError> {
+    let reason = format!(
+        "protocol version mismatch: this router speaks version {PROTOCOL_VERSION}, the sidecar speaks version {theirs}"
+    );
+    warn!(%reason, "refusing sidecar");
+    send.send(&RouterMessage::Refused(Refused {
+        protocol_version: PROTOCOL_VERSION,
+        reason: reason.clone(),
+    }))
+    .await?;
+    let _ = send.finish();
+    // Give the Refused frame a moment to leave before the close discards the stream.
+    let _ = timeout(Duration::from_secs(1), conn.closed()).await;
+    close(conn, CloseReason::VersionMismatch, &reason);
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn session(
+    state: &State,
+    hello: &Hello,
+    key: &str,
+    conn_id: u64,
+    conn: &quinn::Connection,
+    send: &mut FramedSend,
+    recv: &mut FramedRecv,
+    stop: &CancellationToken,
+    interval: Duration,
+) -> Result<(), TransportError> {
+    let mut assembler = TokenizerAssembler::new();
+    // The primary model's tokenizer, when the sidecar has one and this router has not.
+    if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
+        && state.tokenizers.can_load()
+        && !state.tokenizers.has(model, Some(&info.digest))
+    {
+        send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
+            model: model.clone(),
+        }))
+        .await?;
+    }
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    let mut resync_sent = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => {
+                let _ = send.send(&RouterMessage::Goodbye(Goodbye {
+                    reason: CloseReason::Shutdown,
+                    message: "router shutting down".into(),
+                })).await;
+                let _ = send.finish();
+                // A close discards unsent stream data: give the Goodbye a bounded moment (a
+                // sidecar closes as soon as it reads it).
+                let _ = timeout(GOODBYE_GRACE, conn.closed()).await;
+                close(conn, CloseReason::Shutdown, "router shutting down");
+                return Ok(());
+            }
+            _ = tick.tick() => {
+                seq += 1;
+                let requests = state.registry().get(key).map_or(0, |p| p.inflight);
+                send.send(&RouterMessage::Inflight(Inflight { seq, requests })).await?;
+            }
+            msg = recv.recv::<SidecarMessage>() => {
+                let msg = match msg {
+                    Ok(Some(m)) => m,
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        close(conn, CloseReason::ProtocolViolation, "malformed frame");
+                        return Err(e);
+                    }
+                };
+                let now = Instant::now().into_std();
+                let applied = match msg {
+                    SidecarMessage::Load(l) => state.registry().apply_load(key, conn_id, l, now),
+                    SidecarMessage::CacheSnapshot(s) => {
+                        resync_sent = false;
+                        state.registry().apply_snapshot(key, conn_id, &s)
+                    }
+                    SidecarMessage::CacheDelta(d) => {
+                        state.registry().apply_delta(key, conn_id, &d)
+                    }
+                    SidecarMessage::TokenizerChunk(c) => {
+                        match assembler.push(c) {
+                            Ok(Some((model, files))) => {
+                                match state.tokenizers.load_files(&model, &files) {
+                                    Ok(()) => info!(%model, "tokenizer received"),
+                                    Err(e) => warn!(%model, error = %e, "tokenizer unusable"),
+                                }
+                            }
+                            Ok(None) => {}
+                            Err(e) => warn!(error = %e, "tokenizer transfer failed"),
+                        }
+                        Ok(())
+                    }
+                    SidecarMessage::Goodbye(g) => {
+                        info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
+                        return Ok(());
+                    }
+                    SidecarMessage::Hello(_) => {
+                        close(conn, CloseReason::ProtocolViolation, "second Hello");
+                        return Ok(());
+                    }
+                };
+                match applied {
+                    Ok(()) => {}
+                    Err(RegistryError::Filter(e)) => {
+                        // The filter was dropped: ask for a whole one, once until it arrives.
+                        if !resync_sent {
+                            warn!(error = %e, "filter out of step, requesting a snapshot");
+                            send.send(&RouterMessage::ResyncRequest).await?;
+                            resync_sent = true;
+                        }
+                    }
+                    // A newer connection of the same pod replaced this one.
+                    Err(RegistryError::NotRegistered(_)) => {
+                        close(conn, CloseReason::Shutdown, "replaced by a newer connection");
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! Turning a request body into the tokens the scheduler hashes. With a tokenizer for the model
+//! the tokens are exactly vLLM's (chat template for chat, special tokens added for completions);
+//! without one the router falls back to *approximate* prefix memory: pseudo-tokens from
+//! fixed-size character chunks of the prompt. Their chain never matches a pod's Bloom filter, but
+//! it matches the pending blocks this router recorded for what it sent, so requests sharing a
+//! prefix still land together on the pod that saw it first (within the pending TTL).
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, ModelTokenizer, TokenizerError};
+use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
+
+/// Characters per pseudo-token in approximate mode: about one real token of English text.
+pub const APPROX_CHARS_PER_TOKEN: usize = 4;
+
+/// Why a prompt could not be tokenized.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("tokenizer failed: {0}")]
+    Tokenizer(String),
+}
+
+/// One model's tokenizer, as vLLM applies it. Implemented by the real `tokenizers` +
+/// `minijinja` adapter and by test doubles.
+pub trait PromptTokenizer: Send + Sync {
+    /// A completion prompt, special tokens added (`add_special_tokens=true`).
+    fn encode_completion(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError>;
+    /// A chat request body (`messages`, `add_generation_prompt`, `chat_template_kwargs`, …),
+    /// rendered with the model's template and tokenized without adding special tokens again.
+    fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError>;
+}
+
+/// Builds a tokenizer from the files a sidecar sent or the config names.
+pub type TokenizerLoader =
+    Arc<dyn Fn(&TokenizerFiles) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> + Send + Sync>;
+
+/// A tokenizer with the digest of the files it was built from.
+type Entry = (String, Arc<dyn PromptTokenizer>);
+
+/// The tokenizers this router has, by model name.
+#[derive(Default)]
+pub struct Tokenizers {
+    by_model: RwLock<HashMap<String, Entry>>,
+    loader: Option<TokenizerLoader>,
+}
+
+impl std::fmt::Debug for Tokenizers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let models: Vec<String> = self
+            .by_model
+            .read()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        f.debug_struct("Tokenizers")
+            .field("models", &models)
+            .finish()
+    }
+}
+
+impl Tokenizers {
+    pub fn new(loader: Option<TokenizerLoader>) -> Self {
+        Tokenizers {
+            by_model: RwLock::default(),
+            loader,
+        }
+    }
+
+    pub fn get(&self, model: &str) -> Option<Arc<dyn PromptTokenizer>> {
+        let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
+        map.get(model).map(|(_, t)| t.clone())
+    }
+
+    /// Whether the router has `digest` for `model` (or any tokenizer when `digest` is `None`).
+    pub fn has(&self, model: &str, digest: Option<&str>) -> bool {
+        let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
+        map.get(model)
+            .is_some_and(|(d, _)| digest.is_none_or(|want| d == want))
+    }
+
+    /// Whether files can be turned into a tokenizer at all (a loader is built in).
+    pub fn can_load(&self) -> bool {
+        self.loader.is_some()
+    }
+
+    pub fn insert(&self, model: &str, digest: String, tok: Arc<dyn PromptTokenizer>) {
+        let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
+        map.insert(model.to_owned(), (digest, tok));
+    }
+
+    /// Loads files received for `model` (from a sidecar) with the built-in loader.
+    pub fn load_files(&self, model: &str, files: &TokenizerFiles) -> Result<(), TokenizeError> {
+        let loader = self
+            .loader
+            .as_ref()
+            .ok_or_else(|| TokenizeError::Tokenizer("no tokenizer loader built in".into()))?;
+        let tok = loader(files)?;
+        self.insert(model, files.digest(), tok);
+        Ok(())
+    }
+}
+
+/// The real tokenizer: `tokenizers` + the model's chat template, as vLLM applies them.
+impl PromptTokenizer for ModelTokenizer {
+    fn encode_completion(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        ModelTokenizer::encode_completion(self, prompt).map_err(tok_err)
+    }
+
+    fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        let messages: Vec<ChatMessage> = body
+            .get("messages")
+            .cloned()
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| TokenizeError::Invalid(format!("`messages`: {e}")))?
+            .ok_or_else(|| TokenizeError::Invalid("`messages` is required".into()))?;
+        let flag = |k: &str, default: bool| body.get(k).and_then(Value::as_bool).unwrap_or(default);
+        let list = |k: &str| body.get(k).and_then(Value::as_array).cloned();
+        let extras = ChatExtras {
+            tools: list("tools"),
+            documents: list("documents"),
+            template_kwargs: body
+                .get("chat_template_kwargs")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default(),
+            continue_final_message: flag("continue_final_message", false),
+        };
+        ModelTokenizer::encode_chat(
+            self,
+            &messages,
+            flag("add_generation_prompt", true),
+            &extras,
+        )
+        .map_err(tok_err)
+    }
+}
+
+fn tok_err(e: TokenizerError) -> TokenizeError {
+    match e {
+        TokenizerError::InvalidRequest(m) => TokenizeError::Invalid(m),
+        other => TokenizeError::Tokenizer(other.to_string()),
+    }
+}
+
+/// Builds a [`ModelTokenizer`] from transferred files (a separate `chat_template.jinja`
+/// overrides the config's template, as in vLLM).
+pub fn model_tokenizer(files: &TokenizerFiles) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> {
+    let mut tok =
+        ModelTokenizer::from_bytes(&files.tokenizer_json, files.tokenizer_config.as_deref())
+            .map_err(tok_err)?;
+    if let Some(t) = &files.chat_template {
+        tok = tok.with_chat_template(String::from_utf8_lossy(t).into_owned());
+    }
+    Ok(Arc::new(tok))
+}
+
+/// The loader the binary uses.
+pub fn default_loader() -> TokenizerLoader {
+    Arc::new(model_tokenizer)
+}
+
+/// Reads a local tokenizer folder (`tokenizer.json`, optional `tokenizer_config.json` and
+/// `chat_template.jinja`).
+pub fn read_dir(dir: &std::path::Path) -> std::io::Result<TokenizerFiles> {
+    let opt = |name: &str| match std::fs::read(dir.join(name)) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    };
+    Ok(TokenizerFiles {
+        tokenizer_json: std::fs::read(dir.join("tokenizer.json"))?,
+        tokenizer_config: opt("tokenizer_config.json")?,
+        chat_template: opt("chat_template.jinja")?,
+    })
+}
+
+/// What the scheduler gets for a prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    pub tokens: Vec<u32>,
+    /// Whether `tokens` are the model's real tokens (else pseudo-tokens of approximate mode).
+    pub exact: bool,
+}
+
+/// Tokenizes a completion or chat body for `model`: exactly when a tokenizer is known, else
+/// approximately from the prompt text.
+pub fn prompt_tokens(
+    tokenizers: &Tokenizers,
+    model: &str,
+    chat: bool,
+    body: &Value,
+) -> Result<Prompt, TokenizeError> {
+    if let Some(tok) = tokenizers.get(model) {
+        let tokens = if chat {
+            tok.encode_chat(body)?
+        } else {
+            match body.get("prompt") {
+                Some(Value::String(s)) => tok.encode_completion(s)?,
+                Some(v) => token_prompt(v).unwrap_or_default(),
+                None => Vec::new(),
+            }
+        };
+        return Ok(Prompt {
+            tokens,
+            exact: true,
+        });
+    }
+    // Token-id prompts are exact even without a tokenizer.
+    if !chat && let Some(ids) = body.get("prompt").and_then(token_prompt) {
+        return Ok(Prompt {
+            tokens: ids,
+            exact: true,
+        });
+    }
+    let text = prompt_text(body, chat);
+    Ok(Prompt {
+        tokens: approximate_tokens(&text),
+        exact: false,
+    })
+}
+
+/// A prompt given as token ids (`[1, 2, 3]`, or the first of a list of lists).
+fn token_prompt(v: &Value) -> Option<Vec<u32>> {
+    let arr = v.as_array()?;
+    let arr = match arr.first() {
+        Some(Value::Array(inner)) => inner,
+        _ => arr,
+    };
+    if arr.is_empty() {
+        return None;
+    }
+    arr.iter()
+        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+/// The prompt's text as a stable string: the completion prompt, or each chat message's role and
+/// content in order (multimodal parts by their text or URL).
+pub fn prompt_text(body: &Value, chat: bool) -> String {
+    let mut out = String::new();
+    if chat {
+        for m in body
+            .get("messages")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            out.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));
+            out.push('\u{1e}');
+            match m.get("content") {
+                Some(Value::String(s)) => out.push_str(s),
+                Some(other) => out.push_str(&other.to_string()),
+                None => {}
+            }
+            out.push('\u{1f}');
+        }
+    } else {
+        match body.get("prompt") {
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(a)) => {
+                if let Some(Value::String(s)) = a.first() {
+                    out.push_str(s);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// One pseudo-token per [`APPROX_CHARS_PER_TOKEN`] characters. Each is a hash of its chunk
+/// only; the chain the scheduler computes over them makes the prefix property.
+pub fn approximate_tokens(text: &str) -> Vec<u32> {
+    let chars: Vec<char> = text.chars().collect();
+    chars
+        .chunks(APPROX_CHARS_PER_TOKEN)
+        .map(|c| {
+            let s: String = c.iter().collect();
+            xxh3_64(s.as_bytes()) as u32
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn approximate_tokens_share_a_prefix_exactly_as_long_as_the_text() {
+        let a = approximate_tokens("You are a helpful assistant. Question one?");
+        let b = approximate_tokens("You are a helpful assistant. Question two?");
+        let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        // "You are a helpful assistant. Question " is 38 chars = 9 whole chunks.
+        assert_eq!(common, 9);
+        assert_eq!(a.len(), 42usize.div_ceil(4));
+    }
+
+    #[test]
+    fn token_id_prompts_are_exact_without_a_tokenizer() {
+        let t = Tokenizers::default();
+        let p = prompt_tokens(&t, "m", false, &json!({"prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(
+            p,
+            Prompt {
+                tokens: vec![1, 2, 3],
+                exact: true
+            }
+        );
+        let p = prompt_tokens(&t, "m", false, &json!({"prompt": "hello world"})).unwrap();
+        assert!(!p.exact);
+    }
+
+    #[test]
+    fn chat_text_includes_roles_so_a_different_system_prompt_differs() {
+        let a = prompt_text(&json!({"messages":[{"role":"system","content":"x"}]}), true);
+        let b = prompt_text(&json!({"messages":[{"role":"user","content":"x"}]}), true);
+        assert_ne!(a, b);
+    }
+}

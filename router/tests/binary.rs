@@ -1,0 +1,44 @@
+//! The binary's contract with its operator: a wrong config file exits 64 and names the field.
+
+use std::process::Command;
+
+#[test]
+fn an_invalid_config_exits_64_naming_the_field() {
+    let dir = std::env::temp_dir().join(format!("kvsight-router-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("router.yaml");
+    std::fs::write(&cfg, "timeouts:\n  requestSeconds: -5\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
+        .args(["--config", cfg.to_str().unwrap()])
+        .args([
+            "--tls-cert",
+            "/nonexistent/c.pem",
+            "--tls-key",
+            "/nonexistent/k.pem",
+        ])
+        .args(["--tls-ca", "/nonexistent/ca.pem"])
+        .args(["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("timeouts.requestSeconds"), "{stderr}");
+}
+
+#[test]
+fn unreadable_tls_files_exit_64_before_binding() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
+        .args([
+            "--tls-cert",
+            "/nonexistent/c.pem",
+            "--tls-key",
+            "/nonexistent/k.pem",
+        ])
+        .args(["--tls-ca", "/nonexistent/ca.pem"])
+        .args(["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert"));
+}

@@ -1,0 +1,403 @@
+//! The QUIC listener with a test sidecar (kvsight-transport client + dev CA) against a running
+//! router (`serve` on loopback): registration, load, snapshot and delta (with a resync on a gap),
+//! in-flight reports, version refusal, a rogue certificate never registered, and the shutdown
+//! close.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvsight_protocol::bloom::{CountingFilter, FilterParams};
+use kvsight_protocol::messages::*;
+use kvsight_router::config::RouterConfig;
+use kvsight_router::{Listeners, RunConfig, State, build_state, serve};
+use kvsight_transport::dev_certs::DevCa;
+use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, client};
+use tokio_util::sync::CancellationToken;
+
+use common::*;
+
+struct Running {
+    state: Arc<State>,
+    quic: SocketAddr,
+    http: SocketAddr,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), kvsight_router::RunError>>,
+}
+
+async fn start(ca: &DevCa) -> Running {
+    start_with(ca, None).await
+}
+
+async fn start_with(
+    ca: &DevCa,
+    tokenizer_loader: Option<kvsight_router::tokenize::TokenizerLoader>,
+) -> Running {
+    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let quic = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let (http_addr, quic_addr) = (http.local_addr().unwrap(), quic.local_addr().unwrap());
+    let cfg = RunConfig {
+        config: RouterConfig::default(),
+        config_path: None,
+        tls: ca.material("router", &["kvsight-router"]).unwrap(),
+        router_id: "r1".into(),
+        ready_delay: Duration::ZERO,
+        grace: Duration::from_secs(2),
+        tokenizer_loader,
+    };
+    let shutdown = CancellationToken::new();
+    let state = build_state(&cfg, &shutdown).unwrap();
+    let task = tokio::spawn(serve(
+        Listeners { http, quic },
+        cfg,
+        state.clone(),
+        shutdown.clone(),
+    ));
+    Running {
+        state,
+        quic: quic_addr,
+        http: http_addr,
+        shutdown,
+        task,
+    }
+}
+
+struct Sidecar {
+    conn: quinn::Connection,
+    send: FramedSend,
+    recv: FramedRecv,
+    _endpoint: quinn::Endpoint,
+}
+
+async fn connect(tls: &TlsMaterial, addr: SocketAddr) -> anyhow::Result<Sidecar> {
+    let endpoint = client("127.0.0.1:0".parse()?, tls)?;
+    let conn = endpoint.connect(addr, "kvsight-router")?.await?;
+    let (send, recv) = conn.open_bi().await?;
+    Ok(Sidecar {
+        conn,
+        send: FramedSend::new(send),
+        recv: FramedRecv::new(recv),
+        _endpoint: endpoint,
+    })
+}
+
+impl Sidecar {
+    async fn next(&mut self) -> RouterMessage {
+        tokio::time::timeout(Duration::from_secs(5), self.recv.recv::<RouterMessage>())
+            .await
+            .expect("router message within 5 s")
+            .unwrap()
+            .expect("stream open")
+    }
+
+    /// The next message that is not a periodic `Inflight`.
+    async fn next_not_inflight(&mut self) -> RouterMessage {
+        for _ in 0..200 {
+            match self.next().await {
+                RouterMessage::Inflight(_) => continue,
+                m => return m,
+            }
+        }
+        panic!("only Inflight messages");
+    }
+}
+
+fn fast_hello(name: &str) -> Hello {
+    let mut h = hello(name, "http://127.0.0.1:9", &[]);
+    h.load_interval_ms = 50;
+    h
+}
+
+/// Polls `cond` (bounded: 500 × 10 ms) — the registry has no change notification.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn a_sidecar_registers_reports_and_leaves() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let pod_tls = ca.material("pod-a", &["pod-a"]).unwrap();
+    let mut sc = connect(&pod_tls, r.quic).await.unwrap();
+    sc.send
+        .send(&SidecarMessage::Hello(fast_hello("a")))
+        .await
+        .unwrap();
+    match sc.next().await {
+        RouterMessage::Welcome(w) => {
+            assert_eq!(w.protocol_version, PROTOCOL_VERSION);
+            assert_eq!(w.router_id, "r1");
+        }
+        m => panic!("expected Welcome, got {m:?}"),
+    }
+    let st = r.state.clone();
+    eventually("registration", || st.registry().get("ns/a").is_some()).await;
+
+    sc.send
+        .send(&SidecarMessage::Load(load(Phase::Ready, 2, 1)))
+        .await
+        .unwrap();
+    let mut f = CountingFilter::new(FilterParams::for_capacity(1000, 0.01)).unwrap();
+    f.insert(42);
+    sc.send
+        .send(&SidecarMessage::CacheSnapshot(f.snapshot()))
+        .await
+        .unwrap();
+    f.insert(43);
+    let delta = f.take_delta().expect("a change makes a delta");
+    sc.send
+        .send(&SidecarMessage::CacheDelta(delta))
+        .await
+        .unwrap();
+    eventually("load and filter", || {
+        st.registry().get("ns/a").is_some_and(|p| {
+            p.phase() == Phase::Ready
+                && p.filter
+                    .as_ref()
+                    .is_some_and(|fl| fl.contains(42) && fl.contains(43))
+        })
+    })
+    .await;
+
+    // The router reports its in-flight count for the pod, periodically.
+    match sc.next().await {
+        RouterMessage::Inflight(i) => assert_eq!(i.requests, 0),
+        m => panic!("expected Inflight, got {m:?}"),
+    }
+
+    // A delta that does not follow the filter's version: the router asks for a snapshot.
+    let gap = CacheDelta {
+        base_version: 1000,
+        version: 1001,
+        resident_blocks: 1,
+        toggles: vec![1],
+    };
+    sc.send
+        .send(&SidecarMessage::CacheDelta(gap))
+        .await
+        .unwrap();
+    assert_eq!(sc.next_not_inflight().await, RouterMessage::ResyncRequest);
+
+    sc.send
+        .send(&SidecarMessage::Goodbye(Goodbye {
+            reason: CloseReason::Drained,
+            message: "bye".into(),
+        }))
+        .await
+        .unwrap();
+    eventually("unregistration", || st.registry().get("ns/a").is_none()).await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn another_protocol_version_is_refused_naming_both() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
+        .await
+        .unwrap();
+    let mut h = fast_hello("a");
+    h.protocol_version = PROTOCOL_VERSION + 98;
+    sc.send.send(&SidecarMessage::Hello(h)).await.unwrap();
+    match sc.next().await {
+        RouterMessage::Refused(refused) => {
+            let theirs = (PROTOCOL_VERSION + 98).to_string();
+            assert!(refused.reason.contains(&theirs), "{}", refused.reason);
+            assert!(
+                refused
+                    .reason
+                    .contains(&format!("version {PROTOCOL_VERSION}")),
+                "{}",
+                refused.reason
+            );
+        }
+        m => panic!("expected Refused, got {m:?}"),
+    }
+    assert!(r.state.registry().is_empty());
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_pod_with_a_rogue_certificate_is_never_registered_nor_sent_requests() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let rogue = DevCa::new("rogue-ca").unwrap();
+    let r = start(&ca).await;
+    // The rogue pod trusts the real CA (so it would accept the router) but its own certificate
+    // is signed by another CA.
+    let leaf = rogue.issue("pod-x", &["pod-x"]).unwrap();
+    let tls = TlsMaterial::from_pem(
+        leaf.cert.as_bytes(),
+        leaf.key.as_bytes(),
+        ca.ca_pem().as_bytes(),
+    )
+    .unwrap();
+    let attempt = async {
+        let mut sc = connect(&tls, r.quic).await?;
+        sc.send
+            .send(&SidecarMessage::Hello(fast_hello("x")))
+            .await?;
+        let m = sc.recv.recv::<RouterMessage>().await?;
+        anyhow::Ok(m)
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(10), attempt)
+        .await
+        .expect("the attempt ends within 10 s");
+    assert!(
+        !matches!(outcome, Ok(Some(RouterMessage::Welcome(_)))),
+        "rogue pod welcomed: {outcome:?}"
+    );
+    assert!(r.state.registry().is_empty());
+    // And so a request for its model finds no pod.
+    let resp = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .post(format!("http://{}/v1/completions", r.http))
+        .body(r#"{"model":"m","prompt":"x"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_says_goodbye_and_closes_with_the_shutdown_code() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
+        .await
+        .unwrap();
+    sc.send
+        .send(&SidecarMessage::Hello(fast_hello("a")))
+        .await
+        .unwrap();
+    assert!(matches!(sc.next().await, RouterMessage::Welcome(_)));
+    r.shutdown.cancel();
+    match sc.next_not_inflight().await {
+        RouterMessage::Goodbye(g) => assert_eq!(g.reason, CloseReason::Shutdown),
+        m => panic!("expected Goodbye, got {m:?}"),
+    }
+    let closed = tokio::time::timeout(Duration::from_secs(5), sc.conn.closed())
+        .await
+        .unwrap();
+    match closed {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(
+                u64::from(c.error_code),
+                u64::from(CloseReason::Shutdown.code())
+            );
+        }
+        e => panic!("expected an application close, got {e:?}"),
+    }
+    r.task.await.unwrap().unwrap();
+    assert!(r.state.is_draining());
+}
+
+#[tokio::test]
+async fn shutdown_lets_an_in_flight_stream_finish_and_refuses_new_requests() {
+    use axum::body::{Body, Bytes};
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    let rx = Arc::new(std::sync::Mutex::new(Some(rx)));
+    let pod = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(move || {
+            let rx = rx.lock().unwrap().take().unwrap();
+            async move {
+                axum::response::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(
+                        tokio_stream::wrappers::ReceiverStream::new(rx),
+                    ))
+                    .unwrap()
+            }
+        }),
+    );
+    let pod_url = format!("http://{}", common::serve(pod).await);
+    add_pod(&r.state, "a", &pod_url, &[], 0);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let mut resp = http
+        .post(format!("http://{}/v1/completions", r.http))
+        .body(r#"{"model":"m","prompt":"x","stream":true}"#)
+        .send()
+        .await
+        .unwrap();
+    tx.send(Ok(Bytes::from_static(b"data: {\"a\":1}\n\n")))
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+
+    r.shutdown.cancel();
+    eventually("drain begins", || r.state.is_draining()).await;
+    // The stream still runs to its natural end.
+    tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+        .await
+        .unwrap();
+    drop(tx);
+    let rest = tokio::time::timeout(Duration::from_secs(5), resp.text())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rest, "data: [DONE]\n\n");
+    tokio::time::timeout(Duration::from_secs(5), r.task)
+        .await
+        .expect("run returns once the stream ended, before the grace period")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
+    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: the_router_fetches_a_missing_tokenizer_from_the_sidecar: {e}");
+            return;
+        }
+    };
+    let files = kvsight_router::tokenize::read_dir(&dir).unwrap();
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start_with(&ca, Some(kvsight_router::tokenize::default_loader())).await;
+    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
+        .await
+        .unwrap();
+    let mut h = fast_hello("a");
+    h.tokenizer = Some(TokenizerInfo {
+        digest: files.digest(),
+        total_bytes: files.total_bytes(),
+    });
+    sc.send.send(&SidecarMessage::Hello(h)).await.unwrap();
+    assert!(matches!(sc.next().await, RouterMessage::Welcome(_)));
+    match sc.next_not_inflight().await {
+        RouterMessage::TokenizerRequest(req) => assert_eq!(req.model, MODEL),
+        m => panic!("expected TokenizerRequest, got {m:?}"),
+    }
+    assert!(!r.state.tokenizers.has(MODEL, None));
+    for chunk in files.chunks(MODEL) {
+        sc.send
+            .send(&SidecarMessage::TokenizerChunk(chunk))
+            .await
+            .unwrap();
+    }
+    let st = r.state.clone();
+    let digest = files.digest();
+    eventually("tokenizer installed", || {
+        st.tokenizers.has(MODEL, Some(&digest))
+    })
+    .await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
