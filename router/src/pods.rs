@@ -54,9 +54,12 @@ pub struct Pod {
     /// reported. Whole chains (one shared allocation per pick) rather than one entry per block,
     /// because a chain hash commits to everything before it: the pending match of a request is
     /// its longest common prefix with one of these chains.
-    pending: HashMap<u64, Vec<(Arc<[u64]>, Instant)>>,
+    pending: HashMap<u64, Vec<PendingChain>>,
     pending_chains: usize,
 }
+
+/// A routed prompt's chain and when it stops counting.
+type PendingChain = (Arc<[u64]>, Instant);
 
 /// Most pending chains remembered per pod; beyond it the oldest are dropped first.
 const MAX_PENDING_CHAINS: usize = 4096;
