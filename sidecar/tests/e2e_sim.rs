@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::bloom::BloomFilter;
+use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
 use kvsight_sidecar::config::{Args, Config};
 use kvsight_sidecar::kv_events::subscriber::{SubscriberStatus, lock};
@@ -395,6 +396,31 @@ async fn complete(
     t.elapsed()
 }
 
+impl Pod {
+    /// The router's own view of prompt `i`: the canonical chain a router computes from the
+    /// prompt's tokens alone (no LoRA, no salt). The last prompts of a workload were freed last,
+    /// so LRU eviction leaves them resident: every full block of theirs must be in the mirror
+    /// and in the router's filter — a check of the canonical hashing that does not use the
+    /// mirror's own translation.
+    fn assert_router_predicts_hit(&self, i: u32, len: usize) {
+        let chain = hash_chain(&ChainSeed::BASE, &prompt(i, len), 16);
+        assert_eq!(chain.len(), len / 16);
+        let mirror: BTreeSet<u64> = lock(self.shared.mirror.get().unwrap())
+            .blocks()
+            .map(|(_, c)| c)
+            .collect();
+        let view = self.router.as_ref().unwrap().view.lock().unwrap();
+        let filter = view.filter.as_ref().unwrap();
+        for (n, h) in chain.iter().enumerate() {
+            assert!(mirror.contains(h), "prompt {i} block {n} not in the mirror");
+            assert!(
+                filter.contains(*h),
+                "prompt {i} block {n} not in the router filter"
+            );
+        }
+    }
+}
+
 /// Prompt `i`: token ids that differ from every other prompt's in the first two positions.
 fn prompt(i: u32, len: usize) -> Vec<u32> {
     let mut p = vec![1 + i / 200, 1 + i % 200];
@@ -410,6 +436,7 @@ async fn mirror_and_router_filter_equal_the_engine_cache_after_evictions() {
     // 40 prompts of 7 blocks each through a 47-block pool: most get evicted.
     pod.workload(0, 40, 100).await;
     pod.assert_mirror_matches().await;
+    pod.assert_router_predicts_hit(39, 100);
     let stats = lock(pod.shared.mirror.get().unwrap()).stats().clone();
     assert!(stats.blocks_removed > 0, "no evictions: {stats:?}");
     assert_eq!(pod.status().view, CacheView::Exact);
@@ -494,6 +521,7 @@ async fn old_layout_engine_works_the_same() {
     pod.sim.drop_kv_seqs(Some(next..next + 3));
     pod.workload(100, 12, 100).await;
     pod.assert_mirror_matches().await;
+    pod.assert_router_predicts_hit(111, 100);
     let after = pod.status();
     assert!(
         after.replays_recovered > before.replays_recovered,
