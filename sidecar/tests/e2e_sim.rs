@@ -651,3 +651,61 @@ async fn facts_and_load_come_from_the_engine() {
     })
     .await;
 }
+
+/// A real restart: the simulated vLLM process stops and a new one (empty cache, seq from 0)
+/// binds the same HTTP, PUB and replay ports. The sidecar must notice through its sockets alone.
+///
+/// Ignored: it fails today. After the swap the mirror still holds the old process's blocks and
+/// no event of the new process arrives within [`WAIT`], while a loopback TCP connection to the
+/// PUB port stays ESTABLISHED. Not yet diagnosed whether the simulator's shutdown leaves the
+/// old PUB's per-peer connection alive (so the SUB never sees a disconnect) or zeromq 0.7's SUB
+/// reconnects without re-subscribing; either way a real vLLM restart on the same port is the
+/// case to check. Run with `--ignored`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails: the sidecar sees no events from a vLLM process restarted on the same port"]
+async fn engine_process_replaced_on_the_same_ports_resyncs() {
+    let sim = SimPod::start(sim_config(engine(64))).await.unwrap();
+    let mut pod = start_pod("replace", sim, true, None).await;
+    pod.ready().await;
+    pod.workload(0, 12, 60).await;
+    pod.assert_mirror_matches().await;
+    let before = pod.status();
+    assert!(before.last_seq.is_some_and(|s| s > 2), "{before:?}");
+
+    let http_addr = pod.sim.http_addr();
+    let kv = pod.sim.kv_endpoint().unwrap().to_owned();
+    let replay = pod.sim.replay_endpoint().unwrap().to_owned();
+    // A placeholder on other ports holds the field while the old process shuts down.
+    let placeholder = SimPod::start(SimConfig::default()).await.unwrap();
+    std::mem::replace(&mut pod.sim, placeholder)
+        .shutdown(Duration::from_secs(1))
+        .await;
+    let mut cfg = sim_config(engine(64));
+    cfg.http_addr = http_addr;
+    let pc = cfg.kv_events.as_mut().unwrap();
+    pc.endpoint = kv;
+    pc.replay_endpoint = Some(replay);
+    // The old sockets close asynchronously: bind again until they are free (bounded).
+    let deadline = Instant::now() + WAIT;
+    let fresh = loop {
+        match SimPod::start(cfg.clone()).await {
+            Ok(s) => break s,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "restarting on the same ports: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    pod.sim = fresh;
+    // The new process's cache is empty: a sidecar that kept the old view fails here.
+    pod.workload(300, 8, 60).await;
+    pod.assert_mirror_matches().await;
+    pod.assert_router_predicts_hit(307, 48);
+    let after = pod.status();
+    assert!(
+        after.restarts > before.restarts,
+        "restart not seen: {after:?}"
+    );
+    assert_eq!(after.view, CacheView::Exact);
+}
