@@ -41,6 +41,8 @@ pub(crate) enum Command {
     SetDead(bool),
     SetHung(bool),
     SetSlowdown(f64),
+    /// Test-only ground truth: the engine's resident block hashes, read between steps.
+    ResidentBlocks(oneshot::Sender<Vec<u64>>),
 }
 
 /// What vLLM 0.33 tells clients when the engine core died (`EngineDeadError.CLIENT_MESSAGE`,
@@ -198,6 +200,9 @@ impl Driver {
                 }
             }
             Command::SetHung(hung) => self.hung = hung,
+            Command::ResidentBlocks(reply) => {
+                let _ = reply.send(self.engine.resident_block_hashes());
+            }
             Command::SetSlowdown(factor) => self.slowdown = factor,
         }
     }

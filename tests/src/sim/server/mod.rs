@@ -292,6 +292,17 @@ impl SimPodHandle {
         }
     }
 
+    /// Test ground truth: the hashes of every block the engine's prefix cache holds right now
+    /// (vLLM's integer block hashes, as the KV events carry them), read by the driver between
+    /// steps so it matches the events published so far. `None` when the driver has stopped.
+    pub async fn resident_block_hashes(&self) -> Option<Vec<u64>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(driver::Command::ResidentBlocks(tx))
+            .ok()?;
+        rx.await.ok()
+    }
+
     /// Whether the engine is currently dead.
     pub fn is_dead(&self) -> bool {
         self.shared.is_dead()
