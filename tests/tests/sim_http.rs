@@ -548,3 +548,43 @@ async fn metrics_have_the_fixture_names_types_and_labels() -> anyhow::Result<()>
     assert!(missing.is_empty(), "samples missing: {missing:?}");
     Ok(())
 }
+
+#[tokio::test]
+async fn long_prompts_exhaust_blocks_preempt_and_still_complete() -> anyhow::Result<()> {
+    // 64 blocks of 16 tokens; four 400-token prompts generating 100 tokens each need about
+    // 4 × 32 blocks at the end: the engine must preempt (recompute) and still finish them all.
+    let p = pod(SimConfig {
+        // Slow enough (about 100 ms per request) that the four requests overlap in the engine.
+        engine: EngineConfig {
+            num_gpu_blocks: 64,
+            max_model_len: 512,
+            time_scale: 0.05,
+            ..fast_engine()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let addr = p.http_addr();
+    let clients: Vec<_> = (0..4u32)
+        .map(|i| {
+            tokio::spawn(async move {
+                let prompt: Vec<u32> = (0..400).map(|t| 1 + i * 1000 + t).collect();
+                post_json(
+                    addr,
+                    "/v1/completions",
+                    &json!({"prompt": prompt, "max_tokens": 100, "ignore_eos": true}),
+                )
+                .await
+            })
+        })
+        .collect();
+    for c in clients {
+        let r = tokio::time::timeout(Duration::from_secs(30), c).await???;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()?["usage"]["completion_tokens"], 100);
+    }
+    let m = get(addr, "/metrics").await?.text();
+    let preemptions = metric(&m, "vllm:num_preemptions_total").unwrap_or(0.0);
+    assert!(preemptions > 0.0, "no preemption:\n{m}");
+    Ok(())
+}
