@@ -404,6 +404,67 @@ impl Submitted {
     }
 
     /// Aborts whatever is still running (the client is gone or the request failed).
+    /// Waits for every choice to finish (non-streaming answers).
+    async fn run_to_end(&mut self, choices: &mut [Choice]) -> Result<(), ApiError> {
+        loop {
+            match self.next(choices).await {
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    self.abort_rest(choices);
+                    return Err(ApiError::internal(e));
+                }
+            }
+        }
+    }
+
+    /// Streams the answer as vLLM does: an optional first chunk, one chunk per output (made by
+    /// `chunk`), an error event if the engine fails mid-stream, the usage chunk when asked for,
+    /// then `[DONE]`. A client that goes away aborts what is still running.
+    fn stream(
+        mut self,
+        mut choices: Vec<Choice>,
+        include_usage: bool,
+        object: &'static str,
+        first: Option<Value>,
+        chunk: impl Fn(&Submitted, usize, &str, Option<&str>) -> Value + Send + 'static,
+    ) -> Response {
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        tokio::spawn(async move {
+            if let Some(first) = first
+                && tx.send(data(&first)).await.is_err()
+            {
+                self.abort_rest(&choices);
+                return;
+            }
+            loop {
+                match self.next(&mut choices).await {
+                    Ok(Some((i, text))) => {
+                        let c = chunk(&self, i, &text, choices[i].finish);
+                        if tx.send(data(&c)).await.is_err() {
+                            self.abort_rest(&choices);
+                            return;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.abort_rest(&choices);
+                        let _ = tx.send(error_event(&ApiError::internal(e))).await;
+                        let _ = tx.send(Bytes::from_static(DONE)).await;
+                        return;
+                    }
+                }
+            }
+            if include_usage {
+                let usage = self.usage(&choices, false);
+                let c = openai::usage_chunk(&self.id, object, self.created, &self.model, usage);
+                let _ = tx.send(data(&c)).await;
+            }
+            let _ = tx.send(Bytes::from_static(DONE)).await;
+        });
+        sse_response(rx)
+    }
+
     fn abort_rest(&self, choices: &[Choice]) {
         for (id, &i) in &self.index {
             if choices[i].finish.is_none() {
@@ -444,16 +505,7 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
     let mut sub = submit(&state, "cmpl", model, lora, prompts, &params)?;
     let mut choices = vec![Choice::default(); n];
     if !params.stream {
-        loop {
-            match sub.next(&mut choices).await {
-                Ok(Some(_)) => {}
-                Ok(None) => break,
-                Err(e) => {
-                    sub.abort_rest(&choices);
-                    return Err(ApiError::internal(e));
-                }
-            }
-        }
+        sub.run_to_end(&mut choices).await?;
         let body = openai::completion_response(
             &sub.id,
             sub.created,
@@ -467,46 +519,15 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
         );
         return Ok(axum::Json(body).into_response());
     }
-    let (tx, rx) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(async move {
-        loop {
-            match sub.next(&mut choices).await {
-                Ok(Some((i, text))) => {
-                    let chunk = openai::completion_chunk(
-                        &sub.id,
-                        sub.created,
-                        &sub.model,
-                        i,
-                        &text,
-                        choices[i].finish,
-                    );
-                    if tx.send(data(&chunk)).await.is_err() {
-                        sub.abort_rest(&choices);
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    sub.abort_rest(&choices);
-                    let _ = tx.send(error_event(&ApiError::internal(e))).await;
-                    let _ = tx.send(Bytes::from_static(DONE)).await;
-                    return;
-                }
-            }
-        }
-        if params.include_usage {
-            let chunk = openai::usage_chunk(
-                &sub.id,
-                "text_completion",
-                sub.created,
-                &sub.model,
-                sub.usage(&choices, false),
-            );
-            let _ = tx.send(data(&chunk)).await;
-        }
-        let _ = tx.send(Bytes::from_static(DONE)).await;
-    });
-    Ok(sse_response(rx))
+    Ok(sub.stream(
+        choices,
+        params.include_usage,
+        "text_completion",
+        None,
+        |sub, i, text, finish| {
+            openai::completion_chunk(&sub.id, sub.created, &sub.model, i, text, finish)
+        },
+    ))
 }
 
 async fn chat_completions(
@@ -521,16 +542,7 @@ async fn chat_completions(
     let mut sub = submit(&state, "chatcmpl", model, lora, vec![prompt], &params)?;
     let mut choices = vec![Choice::default()];
     if !params.stream {
-        loop {
-            match sub.next(&mut choices).await {
-                Ok(Some(_)) => {}
-                Ok(None) => break,
-                Err(e) => {
-                    sub.abort_rest(&choices);
-                    return Err(ApiError::internal(e));
-                }
-            }
-        }
+        sub.run_to_end(&mut choices).await?;
         let body = openai::chat_response(
             &sub.id,
             sub.created,
@@ -541,50 +553,14 @@ async fn chat_completions(
         );
         return Ok(axum::Json(body).into_response());
     }
-    let (tx, rx) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(async move {
-        let first = openai::chat_role_chunk(&sub.id, sub.created, &sub.model);
-        if tx.send(data(&first)).await.is_err() {
-            sub.abort_rest(&choices);
-            return;
-        }
-        loop {
-            match sub.next(&mut choices).await {
-                Ok(Some((_, text))) => {
-                    let chunk = openai::chat_chunk(
-                        &sub.id,
-                        sub.created,
-                        &sub.model,
-                        &text,
-                        choices[0].finish,
-                    );
-                    if tx.send(data(&chunk)).await.is_err() {
-                        sub.abort_rest(&choices);
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    sub.abort_rest(&choices);
-                    let _ = tx.send(error_event(&ApiError::internal(e))).await;
-                    let _ = tx.send(Bytes::from_static(DONE)).await;
-                    return;
-                }
-            }
-        }
-        if params.include_usage {
-            let chunk = openai::usage_chunk(
-                &sub.id,
-                "chat.completion.chunk",
-                sub.created,
-                &sub.model,
-                sub.usage(&choices, false),
-            );
-            let _ = tx.send(data(&chunk)).await;
-        }
-        let _ = tx.send(Bytes::from_static(DONE)).await;
-    });
-    Ok(sse_response(rx))
+    let first = openai::chat_role_chunk(&sub.id, sub.created, &sub.model);
+    Ok(sub.stream(
+        choices,
+        params.include_usage,
+        "chat.completion.chunk",
+        Some(first),
+        |sub, _, text, finish| openai::chat_chunk(&sub.id, sub.created, &sub.model, text, finish),
+    ))
 }
 
 async fn tokenize(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
