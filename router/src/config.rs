@@ -219,9 +219,7 @@ impl RouterConfig {
         };
         let cfg: RouterConfig = match path.extension().and_then(|e| e.to_str()) {
             Some("toml") => toml::from_str(&text).map_err(|e| parse_err(e.to_string()))?,
-            Some("yaml" | "yml") => {
-                serde_saphyr::from_str(&text).map_err(|e| parse_err(e.to_string()))?
-            }
+            Some("yaml" | "yml") => Self::parse_yaml(&text).map_err(parse_err)?,
             _ => {
                 return Err(parse_err(
                     "unknown extension: use .yaml, .yml or .toml".into(),
@@ -230,6 +228,20 @@ impl RouterConfig {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Parses and validates YAML text (what [`Self::load`] does for a `.yaml` file).
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let cfg = Self::parse_yaml(text).map_err(|message| ConfigError::Parse {
+            path: PathBuf::from("<yaml>"),
+            message,
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn parse_yaml(text: &str) -> Result<Self, String> {
+        serde_saphyr::from_str(text).map_err(|e| e.to_string())
     }
 
     /// Every rule a config must satisfy, checked in one place.

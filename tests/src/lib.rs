@@ -2,5 +2,7 @@
 //! end-to-end tests. Nothing here ships; it is how everything kvsight claims is proven without a
 //! GPU.
 
+pub mod cluster;
+pub mod demo;
 pub mod own_tokenizer;
 pub mod sim;
