@@ -10,6 +10,7 @@
 //! Ports are ephemeral loopback ports chosen by the kernel; a restarted component binds the
 //! ports it had before, as a restarted container keeps its pod's IP and ports.
 
+mod baseline;
 mod metrics;
 
 use std::net::SocketAddr;
@@ -30,6 +31,7 @@ use crate::sim::engine::EngineConfig;
 use crate::sim::kv_events::PublisherConfig;
 use crate::sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles};
 
+pub use baseline::{BlindMode, BlindRouter};
 pub use metrics::{PodCounters, parse_counters};
 
 /// How long [`eventually`] and the cluster's waits give a condition by default.
@@ -645,32 +647,19 @@ impl Cluster {
     }
 
     /// POSTs `body` to `path` on router `r` with the decision header requested; returns the
-    /// status, the chosen pod's key (from `x-kvsight-decision`) and the body text.
+    /// status, the chosen pod's key (from `x-kvsight-decision`), timings and the body text.
     pub async fn post(&self, r: usize, path: &str, body: &Value) -> Result<Routed, ClusterError> {
-        let resp = self
-            .http
-            .post(format!("{}{path}", self.routers[r].url()))
-            .header("content-type", "application/json")
-            .header("x-kvsight-debug", "1")
-            .body(body.to_string())
-            .send()
-            .await?;
-        let status = resp.status().as_u16();
-        let decision: Option<Value> = resp
-            .headers()
-            .get("x-kvsight-decision")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| serde_json::from_str(v).ok());
-        let text = resp.text().await?;
-        Ok(Routed {
-            status,
-            pod: decision
-                .as_ref()
-                .and_then(|d| d["pod"].as_str())
-                .map(str::to_owned),
-            decision,
-            text,
-        })
+        post_json(
+            &self.http,
+            &format!("{}{path}", self.routers[r].url()),
+            body,
+        )
+        .await
+    }
+
+    /// The index of the pod whose key is `key`.
+    pub fn pod_index(&self, key: &str) -> Option<usize> {
+        self.pods.iter().position(|p| p.key() == key)
     }
 
     /// Stops everything: sidecars drain first (routers see Goodbye), then routers, then pods.
@@ -706,15 +695,59 @@ impl Drop for Cluster {
     }
 }
 
-/// A routed request's outcome.
+/// A request's outcome.
 #[derive(Debug, Clone)]
 pub struct Routed {
     pub status: u16,
-    /// The pod the router chose (its key), when it chose one.
+    /// The pod the router chose (its key), when a router answered with a decision.
     pub pod: Option<String>,
     /// The whole `x-kvsight-decision` value.
     pub decision: Option<Value>,
+    /// Time to the first body byte (for a stream: the first token's event).
+    pub ttfb: Duration,
+    /// Time to the last byte.
+    pub total: Duration,
     pub text: String,
+}
+
+/// POSTs JSON to `url` asking for the router's decision header, timing the first body byte.
+pub async fn post_json(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> Result<Routed, ClusterError> {
+    let started = Instant::now();
+    let mut resp = http
+        .post(url)
+        .header("content-type", "application/json")
+        .header("x-kvsight-debug", "1")
+        .body(body.to_string())
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let decision: Option<Value> = resp
+        .headers()
+        .get("x-kvsight-decision")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| serde_json::from_str(v).ok());
+    let mut bytes = Vec::new();
+    let mut ttfb = None;
+    while let Some(chunk) = resp.chunk().await? {
+        ttfb.get_or_insert_with(|| started.elapsed());
+        bytes.extend_from_slice(&chunk);
+    }
+    let total = started.elapsed();
+    Ok(Routed {
+        status,
+        pod: decision
+            .as_ref()
+            .and_then(|d| d["pod"].as_str())
+            .map(str::to_owned),
+        decision,
+        ttfb: ttfb.unwrap_or(total),
+        total,
+        text: String::from_utf8_lossy(&bytes).into_owned(),
+    })
 }
 
 /// A folder under the system temp dir, removed on drop.

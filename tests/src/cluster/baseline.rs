@@ -1,0 +1,72 @@
+//! What a router that cannot see would do — the baseline every scenario compares kvsight with.
+//!
+//! It knows the pods' URLs and the requests it has in flight itself, nothing else: no engine
+//! load, no cache contents, no warm-up state, no traffic that bypassed it. That is what a
+//! round-robin Kubernetes Service or a least-request load balancer (Envoy's, a gateway's default
+//! picker) sees.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::Value;
+
+use super::{ClusterError, Routed, post_json};
+
+/// How the blind router picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlindMode {
+    /// The next pod in turn.
+    RoundRobin,
+    /// The pod with the fewest of *this router's* requests in flight; ties go to the first pod.
+    LeastRequest,
+}
+
+/// A picker over fixed pod URLs that sends straight to vLLM.
+#[derive(Debug)]
+pub struct BlindRouter {
+    urls: Vec<String>,
+    mode: BlindMode,
+    inflight: Mutex<Vec<u32>>,
+    next: AtomicUsize,
+    http: reqwest::Client,
+}
+
+impl BlindRouter {
+    /// `urls` are the pods' vLLM base URLs, in the order ties are broken.
+    pub fn new(urls: Vec<String>, mode: BlindMode) -> Result<BlindRouter, ClusterError> {
+        Ok(BlindRouter {
+            inflight: Mutex::new(vec![0; urls.len()]),
+            urls,
+            mode,
+            next: AtomicUsize::new(0),
+            http: reqwest::Client::builder().no_proxy().build()?,
+        })
+    }
+
+    /// Picks a pod and counts the request in flight there, under one lock so concurrent picks
+    /// see each other.
+    fn start(&self) -> usize {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        let i = match self.mode {
+            BlindMode::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % self.urls.len(),
+            BlindMode::LeastRequest => (0..self.urls.len())
+                .min_by_key(|&i| (inflight[i], i))
+                .unwrap_or(0),
+        };
+        inflight[i] += 1;
+        i
+    }
+
+    fn finish(&self, i: usize) {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        inflight[i] = inflight[i].saturating_sub(1);
+    }
+
+    /// Picks a pod and POSTs `body` to `path` there; returns the pod's index and the outcome.
+    pub async fn post(&self, path: &str, body: &Value) -> Result<(usize, Routed), ClusterError> {
+        let i = self.start();
+        let result = post_json(&self.http, &format!("{}{path}", self.urls[i]), body).await;
+        self.finish(i);
+        Ok((i, result?))
+    }
+}
