@@ -86,17 +86,17 @@ impl Shared {
 
     /// Moves to `phase`. Draining is final: nothing but Draining follows it.
     pub fn set_phase(&self, phase: Phase) {
-        let changed = self.phase.send_if_modified(|p| {
+        self.phase.send_if_modified(|p| {
             if *p == phase || *p == Phase::Draining {
                 return false;
             }
             tracing::info!(from = p.as_str(), to = phase.as_str(), "phase change");
+            // The gauge changes before watchers wake, so whoever sees the new phase also reads
+            // it in `/metrics`.
+            self.metrics.set_phase(phase);
             *p = phase;
             true
         });
-        if changed {
-            self.metrics.set_phase(phase);
-        }
     }
 
     pub fn healthy(&self) -> bool {

@@ -13,8 +13,12 @@
 //!   epoch on the wire). A new process starts with an empty cache, so the mirror is reset; if
 //!   the first message is not seq 0 the missing start is replayed like any gap.
 //!
-//! The start counts as `expected = 0`: a sidecar that starts after vLLM has served requests
-//! replays from 0 and learns the whole history when the buffer still holds it.
+//! A sidecar that starts (or restarts) beside an engine that already served requests catches up
+//! right after subscribing, before it publishes anything: it replays from 0 and learns the whole
+//! history when the buffer still holds it (else the view is `Lost`). Live messages that the
+//! catch-up already covered arrive as seqs below `expected`; until the first live message at or
+//! past `expected` those are duplicates, not a restart. Without a catch-up (no replay socket, or
+//! it did not answer) the start counts as `expected = 0` and the first live message is a gap.
 //!
 //! `Lost` is sticky until the cache is known to be empty again (an `AllBlocksCleared` or a vLLM
 //! restart): blocks stored before the loss may still be resident and we cannot name them, so the
@@ -113,6 +117,8 @@ pub struct KvSubscriber {
     metrics: Arc<Metrics>,
     status: watch::Sender<SubscriberStatus>,
     expected: u64,
+    /// After a catch-up: live messages below this seq were already applied from the replay.
+    duplicates_below: Option<u64>,
 }
 
 impl std::fmt::Debug for KvSubscriber {
@@ -142,14 +148,52 @@ impl KvSubscriber {
             })?;
         socket.subscribe(&config.topic).await?;
         let (status, _) = watch::channel(SubscriberStatus::default());
-        Ok(KvSubscriber {
+        let mut subscriber = KvSubscriber {
             config,
             socket,
             mirror,
             metrics,
             status,
             expected: 0,
-        })
+            duplicates_below: None,
+        };
+        subscriber.catch_up().await;
+        Ok(subscriber)
+    }
+
+    /// Learns what the engine already cached, so a restarted sidecar's first snapshot is the
+    /// engine's cache rather than an empty one that would under-report until the next event.
+    /// The SUB socket is subscribed first, so every batch is either in the replay or arrives live.
+    async fn catch_up(&mut self) {
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            return;
+        };
+        let batches = match replay(&endpoint, 0, self.config.replay_timeout).await {
+            Ok(b) => b,
+            Err(e) => {
+                // Not fatal: the first live message is then a gap and is recovered as one.
+                tracing::warn!(error = %e, "start-up catch-up replay failed");
+                return;
+            }
+        };
+        let Some(&(first, _)) = batches.first() else {
+            return; // The engine has published nothing yet.
+        };
+        if first != 0 {
+            self.metrics.count_replay("late_start");
+            self.lose("the engine's replay buffer no longer holds its first events");
+        } else {
+            self.metrics.count_replay("recovered");
+        }
+        for (seq, payload) in &batches {
+            self.apply(*seq, payload);
+        }
+        self.duplicates_below = Some(self.expected);
+        tracing::info!(
+            batches = batches.len(),
+            next = self.expected,
+            "caught up with the engine's KV-event history"
+        );
     }
 
     /// Follows the subscriber's progress.
@@ -196,6 +240,12 @@ impl KvSubscriber {
     }
 
     async fn on_live(&mut self, seq: u64, payload: Bytes) {
+        if let Some(below) = self.duplicates_below {
+            if seq < below {
+                return; // Already applied by the catch-up.
+            }
+            self.duplicates_below = None;
+        }
         if seq == self.expected {
             self.apply(seq, &payload);
         } else if seq > self.expected {
