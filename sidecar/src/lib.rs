@@ -186,6 +186,7 @@ async fn start_and_serve(
             () = tokio::time::sleep(RETRY_INTERVAL) => {}
         }
     };
+    let subscriber = subscriber.resync_on(Arc::clone(&shared.engine_restarted));
     let _ = shared.subscriber.set(subscriber.status());
     tracker.spawn(subscriber.run(stop.clone()));
     tracker.spawn(load::run_load(

@@ -106,6 +106,10 @@ pub async fn run_load(
                 let timeout = interval.max(Duration::from_secs(1));
                 match client.metrics(timeout).await {
                     Ok(m) => {
+                        if last.as_ref().is_some_and(|(_, prev)| m.restarted_since(prev)) {
+                            tracing::warn!("vLLM's counters went back: the engine restarted");
+                            shared.engine_restarted.notify_one();
+                        }
                         let at = Instant::now();
                         let tokens = m.prefill_computed_tokens_sum.unwrap_or(m.prompt_tokens);
                         rate.update(at, tokens);

@@ -61,6 +61,19 @@ pub struct EngineMetrics {
     pub engines: usize,
 }
 
+impl EngineMetrics {
+    /// Whether a cumulative counter went back since `earlier`: counters only grow within one
+    /// vLLM process, so this is a restarted engine (whose cache is empty), even one that came back
+    /// between two health checks.
+    pub fn restarted_since(&self, earlier: &EngineMetrics) -> bool {
+        let back = |now: f64, then: f64| now < then;
+        back(self.prompt_tokens, earlier.prompt_tokens)
+            || back(self.generation_tokens, earlier.generation_tokens)
+            || back(self.requests_finished, earlier.requests_finished)
+            || back(self.prefix_cache_queries, earlier.prefix_cache_queries)
+    }
+}
+
 /// One sample line.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample<'a> {
@@ -242,6 +255,34 @@ fn lora_info(labels: &BTreeMap<&str, String>) -> LoraInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_counter_going_back_is_a_restart_and_growth_is_not() {
+        let before = EngineMetrics {
+            prompt_tokens: 5_000.0,
+            generation_tokens: 700.0,
+            requests_finished: 40.0,
+            prefix_cache_queries: 5_000.0,
+            running: 3.0,
+            ..EngineMetrics::default()
+        };
+        let grown = EngineMetrics {
+            prompt_tokens: 5_100.0,
+            running: 0.0,
+            ..before.clone()
+        };
+        assert!(!grown.restarted_since(&before));
+        // Gauges may drop freely; only counters tell.
+        assert!(!before.restarted_since(&before));
+        let fresh = EngineMetrics {
+            prompt_tokens: 16.0,
+            generation_tokens: 1.0,
+            requests_finished: 1.0,
+            prefix_cache_queries: 16.0,
+            ..EngineMetrics::default()
+        };
+        assert!(fresh.restarted_since(&before));
+    }
 
     #[test]
     fn label_escapes_and_odd_spacing() {

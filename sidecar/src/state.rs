@@ -45,6 +45,9 @@ pub struct Shared {
     pub mirror: OnceLock<SharedMirror>,
     pub subscriber: OnceLock<watch::Receiver<SubscriberStatus>>,
     pub load: watch::Sender<Option<LoadSample>>,
+    /// Signalled by the scraper when vLLM's counters went back (the engine restarted): the KV
+    /// subscriber then rebuilds the mirror from the new process's history.
+    pub engine_restarted: Arc<tokio::sync::Notify>,
     /// Router connection id → its last reported in-flight count.
     inflight: Mutex<HashMap<u64, u32>>,
     routers: Mutex<BTreeMap<String, RouterInfo>>,
@@ -69,6 +72,7 @@ impl Shared {
             mirror: OnceLock::new(),
             subscriber: OnceLock::new(),
             load: watch::channel(None).0,
+            engine_restarted: Arc::new(tokio::sync::Notify::new()),
             inflight: Mutex::new(HashMap::new()),
             routers: Mutex::new(BTreeMap::new()),
             close_reason: Mutex::new(CloseReason::Shutdown),

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvsight_protocol::messages::CacheView;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqError, ZmqMessage};
 
@@ -119,6 +119,8 @@ pub struct KvSubscriber {
     expected: u64,
     /// After a catch-up: live messages below this seq were already applied from the replay.
     duplicates_below: Option<u64>,
+    /// Signalled when the engine is known to have restarted by other means than the stream.
+    restarted: Arc<Notify>,
 }
 
 impl std::fmt::Debug for KvSubscriber {
@@ -156,6 +158,7 @@ impl KvSubscriber {
             status,
             expected: 0,
             duplicates_below: None,
+            restarted: Arc::new(Notify::new()),
         };
         subscriber.catch_up().await;
         Ok(subscriber)
@@ -196,6 +199,15 @@ impl KvSubscriber {
         );
     }
 
+    /// Rebuild the mirror whenever `restarted` is notified. The KV stream alone shows a restart
+    /// only with the new process's first event; an idle engine that came back would otherwise
+    /// keep its old, now empty, cache in our view. The sidecar's scraper notifies it when
+    /// vLLM's counters go back.
+    pub fn resync_on(mut self, restarted: Arc<Notify>) -> Self {
+        self.restarted = restarted;
+        self
+    }
+
     /// Follows the subscriber's progress.
     pub fn status(&self) -> watch::Receiver<SubscriberStatus> {
         self.status.subscribe()
@@ -205,8 +217,13 @@ impl KvSubscriber {
     /// socket reconnects by itself, and a restarted vLLM shows up as a sequence restart.
     pub async fn run(mut self, cancel: CancellationToken) {
         loop {
+            let restarted = Arc::clone(&self.restarted);
             let message = tokio::select! {
                 () = cancel.cancelled() => return,
+                () = restarted.notified() => {
+                    self.on_engine_restart().await;
+                    continue;
+                }
                 m = self.socket.recv() => m,
             };
             match message {
@@ -271,6 +288,20 @@ impl KvSubscriber {
                 self.recover(0, seq, payload).await;
             }
         }
+    }
+
+    /// The engine restarted: its cache is empty and its history restarts at 0. Start over from
+    /// an empty view and learn whatever the new process already published.
+    async fn on_engine_restart(&mut self) {
+        self.metrics.kv_event_restarts.inc();
+        self.status.send_modify(|s| s.restarts += 1);
+        tracing::warn!("the engine restarted: resetting the mirror and catching up");
+        lock(&self.mirror).reset();
+        self.metrics.resident_blocks.set(0);
+        self.expected = 0;
+        self.duplicates_below = None;
+        self.set_view(CacheView::Exact);
+        self.catch_up().await;
     }
 
     /// Fills `[from, live_seq)` from the replay socket, then applies the live message.

@@ -102,6 +102,25 @@ pub enum Warmup {
     Plan(String),
 }
 
+/// Binds the port a stopped component had. Its sockets close when its last task has been
+/// dropped, which in one process can trail the stop by a few scheduler turns (a real restarted
+/// container binds after the old process exited), so an address in use is retried, bounded.
+async fn rebind<T>(
+    what: &str,
+    mut bind: impl FnMut() -> std::io::Result<T>,
+) -> Result<T, ClusterError> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match bind() {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(io(format!("rebinding {what}"))(e)),
+        }
+    }
+}
+
 /// One pod to run: the simulator's configuration and what its sidecar is told.
 #[derive(Debug, Clone)]
 pub struct PodSpec {
@@ -418,11 +437,19 @@ impl Cluster {
                 after: within,
             });
         }
-        let http = tokio::net::TcpListener::bind(http_addr)
-            .await
-            .map_err(io(format!("rebinding router HTTP {http_addr}")))?;
-        let quic = std::net::UdpSocket::bind(quic_addr)
-            .map_err(io(format!("rebinding router QUIC {quic_addr}")))?;
+        let http = rebind(&format!("router HTTP {http_addr}"), || {
+            std::net::TcpListener::bind(http_addr)
+        })
+        .await
+        .and_then(|l| {
+            l.set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(l))
+                .map_err(io("router HTTP listener"))
+        })?;
+        let quic = rebind(&format!("router QUIC {quic_addr}"), || {
+            std::net::UdpSocket::bind(quic_addr)
+        })
+        .await?;
         let router = self.start_router(index, http, quic)?;
         self.routers.insert(index, router);
         Ok(())
@@ -559,9 +586,15 @@ impl Cluster {
         let old = self.pods[i].sidecar.take().expect("the sidecar is running");
         let addr = old.addr;
         old.stop(Duration::from_secs(15)).await?;
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(io(format!("rebinding sidecar {addr}")))?;
+        let listener = rebind(&format!("sidecar {addr}"), || {
+            std::net::TcpListener::bind(addr)
+        })
+        .await
+        .and_then(|l| {
+            l.set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(l))
+                .map_err(io("sidecar listener"))
+        })?;
         let sidecar = self.start_sidecar(&self.pods[i], listener)?;
         self.pods[i].sidecar = Some(sidecar);
         Ok(())

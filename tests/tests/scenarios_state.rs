@@ -1,0 +1,331 @@
+//! Scenarios about the router's view staying true to the engines' real caches (issue 6, seed
+//! scenarios 7 and 9), on a loopback cluster: vllm-sim pods, real sidecars, real routers.
+//!
+//! - **Eviction truth**: once other traffic evicted a shared prefix from pod A, kvsight stops
+//!   crediting A with it (its prediction of cached tokens matches what A's engine then reports),
+//!   while a router working from its own memory of what it sent (approximate mode, the blind
+//!   behaviour) keeps preferring A and predicts a cache hit that the engine does not have.
+//! - **Restarts**: a restarted router rebuilds its view from the sidecars' snapshots within 2 s;
+//!   a restarted sidecar learns the cache its engine already holds before routers route on it;
+//!   a restarted engine (empty cache, same ports) is no longer credited with its old blocks.
+
+use std::time::{Duration, Instant};
+
+use kvsight_protocol::hash::{ChainSeed, hash_chain};
+use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, Routed, WAIT, eventually};
+use kvsight_testbed::demo::{preamble, unique_prompt};
+use kvsight_testbed::sim::engine::EngineConfig;
+use serde_json::{Value, json};
+
+const MODEL: &str = "kvsight-demo";
+const BLOCK: usize = 16;
+
+/// Small pools (127 usable blocks of 16) so a few unrelated prompts evict everything older; a
+/// fast clock; no compile stalls.
+fn pods(n: usize) -> Option<Vec<PodSpec>> {
+    (0..n)
+        .map(|i| {
+            let engine = EngineConfig::builder()
+                .block_size(BLOCK)
+                .num_gpu_blocks(128)
+                .max_model_len(1024)
+                .compile_stall(Duration::ZERO)
+                .time_scale(0.01)
+                .seed(i as u64)
+                .build()
+                .unwrap();
+            match PodSpec::new(&format!("pod-{i}"), MODEL, engine) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    eprintln!("skipped: scenarios_state: {e}");
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
+fn question(n: usize) -> String {
+    format!("{}Question {n}: name one factor.", preamble())
+}
+
+fn completion(prompt: &str) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+}
+
+async fn start(exact: bool, pending_ttl: f64) -> Option<Cluster> {
+    let mut cfg = ClusterConfig::new(pods(2)?);
+    cfg.router_tokenizers = exact;
+    cfg.router_yaml = format!("scheduler:\n  pendingTtlSeconds: {pending_ttl}\n");
+    let cluster = Cluster::start(cfg).await.unwrap();
+    cluster.wait_all_routable(WAIT).await.unwrap();
+    if exact {
+        wait_tokenizer(&cluster, 0).await;
+    }
+    Some(cluster)
+}
+
+async fn wait_tokenizer(cluster: &Cluster, r: usize) {
+    let state = cluster.routers[r].state.clone();
+    eventually("the router to load the tokenizer", WAIT, || {
+        let has = state.tokenizers.get(MODEL).is_some();
+        async move { has }
+    })
+    .await
+    .unwrap();
+}
+
+/// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).
+async fn chain_of(cluster: &Cluster, prompt: &str) -> Vec<u64> {
+    let r = cluster
+        .post(0, "/tokenize", &json!({"model": MODEL, "prompt": prompt}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    let ids: Vec<u32> =
+        serde_json::from_value(serde_json::from_str::<Value>(&r.text).unwrap()["tokens"].clone())
+            .unwrap();
+    hash_chain(&ChainSeed::BASE, &ids, BLOCK)
+}
+
+/// Leading blocks of `chain` router `r` believes pod `key` holds in its cache (pending excluded).
+fn filter_run(cluster: &Cluster, r: usize, key: &str, chain: &[u64]) -> usize {
+    cluster.routers[r]
+        .state
+        .registry()
+        .get(key)
+        .and_then(|p| p.filter.as_ref().map(|f| f.longest_prefix(chain)))
+        .unwrap_or(0)
+}
+
+/// Whether pod `i`'s sidecar mirror holds the canonical block `hash`.
+fn mirror_holds(cluster: &Cluster, i: usize, hash: u64) -> bool {
+    let shared = &cluster.pods[i].sidecar().shared;
+    shared.mirror.get().is_some_and(|m| {
+        kvsight_sidecar::kv_events::subscriber::lock(m)
+            .blocks()
+            .any(|(_, c)| c == hash)
+    })
+}
+
+/// Sends `prompt` through router 0 and returns the decision and the prompt tokens the chosen
+/// pod's engine actually found cached (its `vllm:prefix_cache_hits` delta).
+async fn routed_with_hits(cluster: &Cluster, prompt: &str) -> (Routed, usize, f64) {
+    let before = cluster.all_counters().await.unwrap();
+    let r = cluster
+        .post(0, "/v1/completions", &completion(prompt))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    let pod = cluster.pod_index(r.pod.as_deref().unwrap()).unwrap();
+    let after = cluster.pod_counters(pod).await.unwrap();
+    let hits = after.since(&before[pod]).prefix_hits;
+    (r, pod, hits)
+}
+
+fn predicted(r: &Routed) -> f64 {
+    r.decision.as_ref().unwrap()["predicted_cached_tokens"]
+        .as_f64()
+        .unwrap()
+}
+
+/// One run of the eviction scenario; returns (prediction, engine hits) for the request sent
+/// after the eviction, and whether it went to the pod that had held the prefix.
+async fn eviction_run(exact: bool) -> Option<(f64, f64, bool)> {
+    // The approximate router gets a long memory, as routers that keep their own prefix trees do.
+    let cluster = start(exact, if exact { 0.3 } else { 60.0 }).await?;
+    let first = cluster
+        .post(0, "/v1/completions", &completion(&question(0)))
+        .await
+        .unwrap();
+    assert_eq!(first.status, 200, "{}", first.text);
+    let a_key = first.pod.clone().unwrap();
+    let a = cluster.pod_index(&a_key).unwrap();
+    let (second, _, hits) = routed_with_hits(&cluster, &question(1)).await;
+    assert_eq!(
+        second.pod.as_deref(),
+        Some(a_key.as_str()),
+        "a shared prefix lands together"
+    );
+    let chain = chain_of(&cluster, &question(2)).await;
+    let prefix_blocks = preamble().len() / 8 / BLOCK; // a lower bound: ~4+ chars per token
+    assert!(
+        hits > (prefix_blocks * BLOCK) as f64,
+        "the second request hit the cache: {hits}"
+    );
+    assert!(mirror_holds(&cluster, a, chain[0]));
+
+    // Other traffic, straight to A's engine (another gateway, a batch job), evicts the prefix.
+    for n in 100..106 {
+        let url = format!("{}/v1/completions", cluster.pods[a].vllm_url());
+        let r = kvsight_testbed::cluster::post_json(
+            &cluster.http,
+            &url,
+            &completion(&unique_prompt(n)),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    // The truth, from A's sidecar mirror (which equals the engine's resident set).
+    eventually("A's mirror to drop the prefix", WAIT, || {
+        let gone = !mirror_holds(&cluster, a, chain[0]);
+        async move { gone }
+    })
+    .await
+    .unwrap();
+    if exact {
+        // kvsight's view follows within a publish interval (and pending blocks expired).
+        eventually("the router's view of A to drop the prefix", WAIT, || {
+            let now = Instant::now();
+            let run = filter_run(&cluster, 0, &a_key, &chain);
+            let pending = cluster.routers[0]
+                .state
+                .registry()
+                .get(&a_key)
+                .map_or(0, |p| p.pending_blocks(&chain, now));
+            async move { run == 0 && pending == 0 }
+        })
+        .await
+        .unwrap();
+    }
+    let (after, pod, hits) = routed_with_hits(&cluster, &question(2)).await;
+    let p = predicted(&after);
+    eprintln!(
+        "eviction truth ({}): chose {} (held the prefix: {}), predicted {p} cached tokens, engine \
+         found {hits}",
+        if exact { "exact" } else { "approximate" },
+        after.pod.as_deref().unwrap(),
+        pod == a
+    );
+    cluster.shutdown().await;
+    Some((p, hits, pod == a))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_truth_kvsight_stops_crediting_the_evicted_pod_approximate_memory_does_not() {
+    let Some((exact_predicted, exact_hits, _)) = eviction_run(true).await else {
+        return;
+    };
+    let Some((approx_predicted, approx_hits, approx_chose_a)) = eviction_run(false).await else {
+        return;
+    };
+    // kvsight: no pod holds the prefix any more, and it says so; the engine agrees.
+    assert_eq!(
+        exact_predicted, 0.0,
+        "kvsight must not credit an evicted prefix"
+    );
+    assert!(exact_hits < (4 * BLOCK) as f64, "engine hits {exact_hits}");
+    // Router memory: still sends the prefix to A and expects hundreds of cached tokens there, but
+    // the engine finds (almost) none — the blind spot kvsight removes.
+    assert!(approx_chose_a, "approximate memory keeps preferring A");
+    assert!(
+        approx_predicted >= 400.0,
+        "approximate prediction {approx_predicted}"
+    );
+    assert!(
+        approx_hits < (4 * BLOCK) as f64,
+        "engine hits {approx_hits}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_of_router_sidecar_and_engine_leave_routing_true() {
+    let Some(mut cluster) = start(true, 0.3).await else {
+        return;
+    };
+    let first = cluster
+        .post(0, "/v1/completions", &completion(&question(0)))
+        .await
+        .unwrap();
+    assert_eq!(first.status, 200, "{}", first.text);
+    let a_key = first.pod.clone().unwrap();
+    let a = cluster.pod_index(&a_key).unwrap();
+    let chain = chain_of(&cluster, &question(1)).await;
+    let held = chain.len() - 1; // every full block of the preamble, not the question's tail
+    eventually("the router to see the prefix on A", WAIT, || {
+        let run = filter_run(&cluster, 0, &a_key, &chain);
+        async move { run + 2 >= held }
+    })
+    .await
+    .unwrap();
+
+    // 1. Router restart: a new process on the same ports learns every pod and filter from the
+    //    sidecars' reconnect + snapshot.
+    let t0 = Instant::now();
+    cluster.restart_router(0).await.unwrap();
+    let restarted = Instant::now();
+    cluster
+        .wait_all_routable(Duration::from_secs(10))
+        .await
+        .unwrap();
+    let rebuilt = restarted.elapsed();
+    wait_tokenizer(&cluster, 0).await;
+    eprintln!(
+        "router restart: stop+start {:?}, view rebuilt {rebuilt:?} after start",
+        restarted - t0
+    );
+    assert!(
+        rebuilt < Duration::from_secs(2),
+        "view rebuilt in {rebuilt:?}"
+    );
+    assert!(filter_run(&cluster, 0, &a_key, &chain) + 2 >= held);
+    let (r, pod, hits) = routed_with_hits(&cluster, &question(1)).await;
+    assert_eq!(
+        pod, a,
+        "after a router restart the prefix still goes to A: {:?}",
+        r.decision
+    );
+    assert!(
+        predicted(&r) > 0.0 && hits >= predicted(&r) * 0.9,
+        "predicted {} hits {hits}",
+        predicted(&r)
+    );
+
+    // 2. Sidecar restart (drain, Goodbye, new process on the same port): its first snapshot
+    //    already holds what the engine cached before it started.
+    cluster.restart_sidecar(a).await.unwrap();
+    cluster.wait_routable(&[a], WAIT).await.unwrap();
+    assert!(
+        filter_run(&cluster, 0, &a_key, &chain) + 2 >= held,
+        "the new sidecar's first snapshot holds the engine's cache"
+    );
+    let (r, pod, hits) = routed_with_hits(&cluster, &question(2)).await;
+    assert_eq!(
+        pod, a,
+        "after a sidecar restart the prefix still goes to A: {:?}",
+        r.decision
+    );
+    assert!(
+        predicted(&r) > 0.0 && hits >= predicted(&r) * 0.9,
+        "predicted {} hits {hits}",
+        predicted(&r)
+    );
+
+    // 3. Engine restart (new process, empty cache, same ports), idle afterwards: the sidecar
+    //    notices from the engine's counters and the router stops crediting A at once.
+    cluster.restart_sim(a).await.unwrap();
+    eventually(
+        "the router's view of A to empty after the engine restart",
+        WAIT,
+        || {
+            let run = filter_run(&cluster, 0, &a_key, &chain);
+            async move { run == 0 }
+        },
+    )
+    .await
+    .unwrap();
+    cluster.wait_routable(&[a], WAIT).await.unwrap();
+    let (r, _, hits) = routed_with_hits(&cluster, &question(3)).await;
+    eprintln!(
+        "after the engine restart: predicted {} engine hits {hits}",
+        predicted(&r)
+    );
+    assert_eq!(
+        predicted(&r),
+        0.0,
+        "no pod holds the prefix: {:?}",
+        r.decision
+    );
+    cluster.shutdown().await;
+}
