@@ -136,8 +136,10 @@ pub struct PodSpec {
     pub labels: Vec<(String, String)>,
     /// What the sidecar warms the pod with before it reports Ready.
     pub warmup: Warmup,
-    /// Extra sidecar flags, appended last (they win).
+    /// Extra sidecar flags, appended last.
     pub sidecar_args: Vec<String>,
+    /// The sidecar's certificate comes from another CA than the routers trust (an impostor).
+    pub foreign_certificate: bool,
 }
 
 impl PodSpec {
@@ -157,6 +159,7 @@ impl PodSpec {
             labels: Vec::new(),
             warmup: Warmup::Skip,
             sidecar_args: Vec::new(),
+            foreign_certificate: false,
         })
     }
 
@@ -490,7 +493,19 @@ impl Cluster {
         let name = &pod.spec.name;
         let certs = self.dir.path().join("pods");
         if !certs.join(format!("{name}.pem")).exists() {
-            self.ca.write_leaves(&certs, &[(name, &[name.as_str()])])?;
+            if pod.spec.foreign_certificate {
+                // A valid certificate, from a CA the routers do not trust; the impostor does
+                // trust the real CA (so it can verify the routers), which is all it could do.
+                let foreign = DevCa::new("not-the-cluster-ca")?;
+                let leaf = foreign.issue(name, &[name.as_str()])?;
+                std::fs::create_dir_all(&certs).map_err(io("creating the pod cert folder"))?;
+                std::fs::write(certs.join(format!("{name}.pem")), leaf.cert)
+                    .map_err(io("writing a certificate"))?;
+                std::fs::write(certs.join(format!("{name}-key.pem")), leaf.key)
+                    .map_err(io("writing a key"))?;
+            } else {
+                self.ca.write_leaves(&certs, &[(name, &[name.as_str()])])?;
+            }
         }
         let file = |f: String| certs.join(f).display().to_string();
         let mut args: Vec<String> = vec![
