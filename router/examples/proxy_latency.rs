@@ -1,6 +1,10 @@
-//! Added proxy latency: 200 concurrent streaming clients call a stand-in pod directly, then
-//! through the router (one pod registered), and the p50/p99 request latencies are compared.
-//! Everything runs in one process on loopback, so client, router and pod share the cores.
+//! Added proxy latency with 200 concurrent streams: a stand-in pod streams each answer as an LLM
+//! does — one SSE event per token, paced (`TOKEN_INTERVAL`) — and 200 clients keep one stream
+//! each in flight, first straight to the pod, then through the router (one pod registered). For
+//! every request we time the first event (what a user waits for) and the whole answer; the
+//! router's added latency is the difference of the two runs' percentiles. Everything runs in one
+//! process on loopback, so client, router and pod share the cores; with paced streams the cores
+//! are not saturated, so the difference is the router's own cost per request and per event.
 //!
 //! `cargo run --release -p kvsight-router --example proxy_latency [streams] [requests-per-stream]`
 
@@ -18,7 +22,9 @@ use kvsight_router::config::RouterConfig;
 use kvsight_router::{State, app};
 use tokio_util::sync::CancellationToken;
 
-const EVENTS: usize = 8;
+/// Tokens per answer and the time between two tokens (≈ 50 tokens/s, a mid-size model's decode).
+const EVENTS: usize = 16;
+const TOKEN_INTERVAL: Duration = Duration::from_millis(20);
 
 async fn serve(router: Router) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -35,16 +41,25 @@ async fn pod() -> String {
     serve(Router::new().route(
         "/v1/completions",
         post(|| async {
-            let events = (0..EVENTS)
-                .map(|i| {
-                    Ok::<_, std::io::Error>(Bytes::from(format!(
+            let events = futures_util::stream::unfold(0usize, |i| async move {
+                if i > EVENTS {
+                    return None;
+                }
+                if i > 0 {
+                    tokio::time::sleep(TOKEN_INTERVAL).await;
+                }
+                let event = if i == EVENTS {
+                    Bytes::from_static(b"data: [DONE]\n\n")
+                } else {
+                    Bytes::from(format!(
                         "data: {{\"choices\":[{{\"index\":0,\"text\":\"t{i}\"}}]}}\n\n"
-                    )))
-                })
-                .chain(std::iter::once(Ok(Bytes::from_static(b"data: [DONE]\n\n"))));
+                    ))
+                };
+                Some((Ok::<_, std::io::Error>(event), i + 1))
+            });
             Response::builder()
                 .header("content-type", "text/event-stream")
-                .body(Body::from_stream(futures_util::stream::iter(events)))
+                .body(Body::from_stream(events))
                 .unwrap()
         }),
     ))
@@ -78,7 +93,13 @@ fn hello(url: &str) -> Hello {
     }
 }
 
-async fn run(url: &str, streams: usize, per: usize) -> Vec<Duration> {
+/// First-event and whole-answer latencies of every request, each sorted.
+struct Timings {
+    first: Vec<Duration>,
+    whole: Vec<Duration>,
+}
+
+async fn run(url: &str, streams: usize, per: usize) -> Timings {
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(streams)
@@ -93,31 +114,37 @@ async fn run(url: &str, streams: usize, per: usize) -> Vec<Duration> {
             let mut out = Vec::with_capacity(per);
             for _ in 0..per {
                 let t = Instant::now();
-                let text = client
-                    .post(&url)
-                    .body(body)
-                    .send()
-                    .await
-                    .unwrap()
-                    .text()
-                    .await
-                    .unwrap();
-                assert!(text.ends_with("data: [DONE]\n\n"));
-                out.push(t.elapsed());
+                let mut resp = client.post(&url).body(body).send().await.unwrap();
+                let mut first = None;
+                let mut text = Vec::new();
+                while let Some(chunk) = resp.chunk().await.unwrap() {
+                    first.get_or_insert_with(|| t.elapsed());
+                    text.extend_from_slice(&chunk);
+                }
+                assert!(text.ends_with(b"data: [DONE]\n\n"));
+                out.push((first.unwrap(), t.elapsed()));
             }
             out
         }));
     }
-    let mut all = Vec::new();
+    let (mut first, mut whole) = (Vec::new(), Vec::new());
     for t in tasks {
-        all.extend(t.await.unwrap());
+        for (f, w) in t.await.unwrap() {
+            first.push(f);
+            whole.push(w);
+        }
     }
-    all.sort();
-    all
+    first.sort();
+    whole.sort();
+    Timings { first, whole }
 }
 
 fn pct(v: &[Duration], p: usize) -> Duration {
     v[(v.len() * p / 100).min(v.len() - 1)]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
 }
 
 #[tokio::main]
@@ -160,15 +187,26 @@ async fn main() {
     run(&router, streams, 2).await;
     let direct = run(&pod, streams, per).await;
     let via = run(&router, streams, per).await;
-    println!("{streams} concurrent streams x {per} requests, {EVENTS} SSE events each");
     println!(
-        "direct : p50 {:?} p99 {:?}",
-        pct(&direct, 50),
-        pct(&direct, 99)
+        "{streams} concurrent streams x {per} requests, {EVENTS} SSE events {:?} apart",
+        TOKEN_INTERVAL
     );
-    println!("router : p50 {:?} p99 {:?}", pct(&via, 50), pct(&via, 99));
+    println!("         first event p50 / p99       whole answer p50 / p99");
+    for (name, t) in [("direct", &direct), ("router", &via)] {
+        println!(
+            "{name:<8} {} / {}        {} / {}",
+            ms(pct(&t.first, 50)),
+            ms(pct(&t.first, 99)),
+            ms(pct(&t.whole, 50)),
+            ms(pct(&t.whole, 99))
+        );
+    }
+    let added = |a: &[Duration], b: &[Duration], p| ms(pct(a, p).saturating_sub(pct(b, p)));
     println!(
-        "added at p50: {:?}",
-        pct(&via, 50).saturating_sub(pct(&direct, 50))
+        "added by the router: first event p50 {} p99 {}; whole answer p50 {} p99 {}",
+        added(&via.first, &direct.first, 50),
+        added(&via.first, &direct.first, 99),
+        added(&via.whole, &direct.whole, 50),
+        added(&via.whole, &direct.whole, 99)
     );
 }

@@ -61,6 +61,11 @@ pub struct Pod {
 /// A routed prompt's chain and when it stops counting.
 type PendingChain = (Arc<[u64]>, Instant);
 
+/// The shortest silence that makes a pod stale. vLLM's `/metrics` can take hundreds of
+/// milliseconds to answer on a busy engine, and the sidecar reports only after a scrape; with
+/// the default 100 ms interval three missed reports alone would drop a busy, healthy pod.
+pub const MIN_STALE_AFTER: Duration = Duration::from_secs(1);
+
 /// Most pending chains remembered per pod; beyond it the oldest are dropped first.
 const MAX_PENDING_CHAINS: usize = 4096;
 
@@ -85,10 +90,12 @@ impl Pod {
         now.saturating_duration_since(self.load.as_ref().map_or(self.joined_at, |l| l.received_at))
     }
 
-    /// Whether reports stopped for three load intervals.
+    /// Whether reports stopped for three load intervals, and for at least [`MIN_STALE_AFTER`].
+    /// A stale pod keeps its registration (its QUIC connection is still open) but receives no
+    /// new request until a report arrives again.
     pub fn is_stale(&self, now: Instant) -> bool {
         let interval = Duration::from_millis(u64::from(self.hello.load_interval_ms.max(10)));
-        self.report_age(now) > interval * 3
+        self.report_age(now) > (interval * 3).max(MIN_STALE_AFTER)
     }
 
     /// Whether `model` is a served name or a LoRA adapter of this pod.
@@ -111,11 +118,20 @@ impl Pod {
                 sent_since_sample: 0,
             };
         };
-        let (mut n, mut blocks) = (0u32, 0u64);
+        let (mut sent, mut sent_blocks) = (0u32, 0u64);
         for s in self.sent.iter().filter(|s| s.at > sample.sampled_at) {
-            n += 1;
-            blocks += u64::from(s.new_blocks);
+            sent += 1;
+            sent_blocks += u64::from(s.new_blocks);
         }
+        // Of those, only requests still in flight are running (and holding blocks) now: short
+        // requests that already finished must not make an idle pod look busy until the next
+        // report. Which ones finished is not tracked, so the blocks are scaled alike.
+        let n = sent.min(self.inflight);
+        let blocks = if sent == 0 {
+            0
+        } else {
+            sent_blocks * u64::from(n) / u64::from(sent)
+        };
         let slots = self.hello.engine.max_num_seqs.max(1);
         let l = &sample.load;
         let total = l.running.saturating_add(n);

@@ -200,8 +200,14 @@ pub fn prompt_tokens(
         let tokens = if chat {
             tok.encode_chat(body)?
         } else {
+            // A batch (a list of prompts) becomes one engine request per element on the pod
+            // it is sent to; it is routed on its first element, as in approximate mode. A
+            // later element over the window gets vLLM's 400, which a fallback pool still catches.
             match body.get("prompt") {
                 Some(Value::String(s)) => tok.encode_completion(s)?,
+                Some(Value::Array(a)) if matches!(a.first(), Some(Value::String(_))) => {
+                    tok.encode_completion(a[0].as_str().unwrap_or_default())?
+                }
                 Some(v) => token_prompt(v).unwrap_or_default(),
                 None => Vec::new(),
             }
@@ -315,6 +321,29 @@ mod tests {
         );
         let p = prompt_tokens(&t, "m", false, &json!({"prompt": "hello world"})).unwrap();
         assert!(!p.exact);
+    }
+
+    /// One token per byte: enough to see which text was encoded.
+    struct Bytes;
+
+    impl PromptTokenizer for Bytes {
+        fn encode_completion(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+            Ok(prompt.bytes().map(u32::from).collect())
+        }
+        fn encode_chat(&self, _: &Value) -> Result<Vec<u32>, TokenizeError> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn a_batch_of_text_prompts_is_routed_on_its_first_element_exactly() {
+        let t = Tokenizers::default();
+        t.insert("m", "d".into(), Arc::new(Bytes));
+        let p = prompt_tokens(&t, "m", false, &json!({"prompt": ["abc", "defgh"]})).unwrap();
+        assert_eq!(p.tokens, vec![97, 98, 99]);
+        assert!(p.exact);
+        let p = prompt_tokens(&t, "m", false, &json!({"prompt": [[7, 8], [9]]})).unwrap();
+        assert_eq!(p.tokens, vec![7, 8]);
     }
 
     #[test]

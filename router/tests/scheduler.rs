@@ -293,8 +293,10 @@ fn not_ready_stale_draining_and_too_long() {
     );
     c.report(1, load(0, 0, 0.0));
     assert_eq!(c.pick(&s, &prompt(1, 10)).unwrap(), "ns/pod-1");
-    // Reports stop: after three intervals the pod is stale.
-    c.now += Duration::from_millis(301);
+    // Reports stop: after three intervals (100 ms each) but no sooner than 1 s, the pod is stale.
+    c.now += Duration::from_millis(999);
+    assert_eq!(c.pick(&s, &prompt(1, 10)).unwrap(), "ns/pod-1");
+    c.now += Duration::from_millis(2);
     assert_eq!(
         c.pick(&s, &prompt(1, 10)),
         Err(PickError::NoReadyPod(MODEL.into()))
@@ -414,4 +416,26 @@ fn excluded_pods_are_not_picked_and_decisions_explain_themselves() {
         d.scores
     );
     assert_eq!(c.reg.get("ns/pod-1").unwrap().inflight, 1);
+}
+
+#[test]
+fn requests_that_finished_since_the_last_report_no_longer_count_as_load() {
+    let mut c = Cluster::new(2, true);
+    let s = sched(3.0);
+    // Two serial short requests after the last report, each finished before the next; no new
+    // report arrives in between.
+    for n in 0..2 {
+        c.now += Duration::from_millis(1);
+        let pod = c.pick(&s, &prompt(100 + n, 64)).unwrap();
+        c.reg.record_done(&pod);
+        let p = c.reg.get(&pod).unwrap().projection();
+        assert_eq!(p.running, 0, "a finished request is not running: {p:?}");
+        assert_eq!(p.kv_usage, 0.0, "nor holding blocks: {p:?}");
+    }
+    // One still in flight counts.
+    c.now += Duration::from_millis(1);
+    let pod = c.pick(&s, &prompt(200, 64)).unwrap();
+    let p = c.reg.get(&pod).unwrap().projection();
+    assert_eq!((p.running, p.sent_since_sample), (1, 1), "{p:?}");
+    assert!(p.kv_usage > 0.0);
 }
