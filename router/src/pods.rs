@@ -66,6 +66,12 @@ type PendingChain = (Arc<[u64]>, Instant);
 /// the default 100 ms interval three missed reports alone would drop a busy, healthy pod.
 pub const MIN_STALE_AFTER: Duration = Duration::from_secs(1);
 
+/// How long a request may take from this router to vLLM's own counters (transit, the API
+/// server's tokenization, the engine's next scheduler step). A request sent less than this
+/// before a sample may be missing from it, so it still counts on top of the report: counting it
+/// twice for a moment only makes the pod look busier, forgetting it lets a burst overfill a pod.
+pub const ADMISSION_LAG: Duration = Duration::from_millis(100);
+
 /// Most pending chains remembered per pod; beyond it the oldest are dropped first.
 const MAX_PENDING_CHAINS: usize = 4096;
 
@@ -119,7 +125,11 @@ impl Pod {
             };
         };
         let (mut sent, mut sent_blocks) = (0u32, 0u64);
-        for s in self.sent.iter().filter(|s| s.at > sample.sampled_at) {
+        let counted = sample
+            .sampled_at
+            .checked_sub(ADMISSION_LAG)
+            .unwrap_or(sample.sampled_at);
+        for s in self.sent.iter().filter(|s| s.at > counted) {
             sent += 1;
             sent_blocks += u64::from(s.new_blocks);
         }
@@ -144,6 +154,23 @@ impl Pod {
             kv_usage: f64::from(l.kv_usage) + blocks as f64 / gpu_blocks,
             sent_since_sample: n,
         }
+    }
+
+    /// Forgets pending chains the pod's own events now confirm, so from then on only the real
+    /// cache speaks for them: a prefix evicted (or an engine restarted) right after it was stored
+    /// is not credited for the rest of the TTL. A chain is stored in order, so its last block
+    /// being present stands for all of it (one probe per chain; a false positive only ends the
+    /// pending credit early, never extends a claim).
+    fn drop_confirmed_pending(&mut self) {
+        let Some(filter) = &self.filter else { return };
+        let mut dropped = 0;
+        self.pending.retain(|_, chains| {
+            let before = chains.len();
+            chains.retain(|(c, _)| !c.last().is_some_and(|&h| filter.contains(h)));
+            dropped += before - chains.len();
+            !chains.is_empty()
+        });
+        self.pending_chains -= dropped;
     }
 
     /// Leading blocks of `chain` that a prompt routed here within the TTL shares.
@@ -258,8 +285,9 @@ impl Registry {
         let pod = self.owned(key, conn)?;
         let age = Duration::from_millis(u64::from(load.sample_age_ms));
         let sampled_at = now.checked_sub(age).unwrap_or(now);
-        // Everything sent before the sample is now part of vLLM's own numbers.
-        while pod.sent.front().is_some_and(|s| s.at <= sampled_at) {
+        // What was sent well before the sample is now part of vLLM's own numbers.
+        let counted = sampled_at.checked_sub(ADMISSION_LAG).unwrap_or(sampled_at);
+        while pod.sent.front().is_some_and(|s| s.at <= counted) {
             pod.sent.pop_front();
         }
         pod.load = Some(LoadSample {
@@ -279,6 +307,7 @@ impl Registry {
     ) -> Result<(), RegistryError> {
         let pod = self.owned(key, conn)?;
         pod.filter = Some(BloomFilter::from_snapshot(snap)?);
+        pod.drop_confirmed_pending();
         Ok(())
     }
 
@@ -301,6 +330,7 @@ impl Registry {
             pod.filter = None;
             return Err(e.into());
         }
+        pod.drop_confirmed_pending();
         Ok(())
     }
 
@@ -328,6 +358,13 @@ impl Registry {
             pod.sent.pop_front();
         }
         let Some(&first) = chain.first() else { return };
+        // Already resident (its last block is in the pod's filter): nothing to remember, the
+        // filter speaks for it and will also show its eviction.
+        if let (Some(f), Some(&last)) = (&pod.filter, chain.last())
+            && f.contains(last)
+        {
+            return;
+        }
         if pod.pending_chains >= MAX_PENDING_CHAINS {
             pod.pending.retain(|_, chains| {
                 chains.retain(|(_, exp)| *exp > now);

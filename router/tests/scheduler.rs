@@ -439,3 +439,36 @@ fn requests_that_finished_since_the_last_report_no_longer_count_as_load() {
     assert_eq!((p.running, p.sent_since_sample), (1, 1), "{p:?}");
     assert!(p.kv_usage > 0.0);
 }
+
+#[test]
+fn a_request_sent_just_before_a_sample_still_counts_until_the_engine_can_have_seen_it() {
+    let mut c = Cluster::new(1, true);
+    let s = sched(3.0);
+    let pod = c.pick(&s, &prompt(300, 64)).unwrap();
+    // A report sampled 20 ms later does not include it yet (still in transit or tokenizing).
+    c.now += Duration::from_millis(20);
+    c.report(0, load(0, 0, 0.0));
+    assert_eq!(c.reg.get(&pod).unwrap().projection().running, 1);
+    // One sampled well after it does.
+    c.now += Duration::from_millis(200);
+    c.report(0, load(1, 0, 0.0));
+    let p = c.reg.get(&pod).unwrap().projection();
+    assert_eq!((p.running, p.sent_since_sample), (1, 0), "{p:?}");
+}
+
+#[test]
+fn pending_blocks_confirmed_by_the_pod_then_evicted_are_not_credited_for_the_rest_of_the_ttl() {
+    let mut c = Cluster::new(2, true);
+    let s = sched(3.0);
+    let tokens = prompt(7, 160);
+    let chain = hash_chain(&ChainSeed::BASE, &tokens, BS as usize);
+    let pod = c.pick(&s, &tokens).unwrap();
+    let i = if pod == "ns/pod-0" { 0 } else { 1 };
+    let matched = |c: &Cluster| c.reg.get(&pod).unwrap().matched_blocks(&chain, None, c.now);
+    assert_eq!(matched(&c), chain.len(), "pending right after the pick");
+    // The pod's events confirm the chain; then other traffic evicts it, well within the TTL.
+    c.holds(i, &chain);
+    assert_eq!(matched(&c), chain.len());
+    c.holds(i, &[]);
+    assert_eq!(matched(&c), 0, "an evicted prefix is not credited from pending memory");
+}

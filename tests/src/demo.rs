@@ -392,11 +392,6 @@ pub async fn start_cluster(options: &DemoOptions) -> Result<Cluster, ClusterErro
     cluster.wait_all_routable(Duration::from_secs(60)).await?;
     // The router learns each model's tokenizer from the sidecars; until then it would route in
     // approximate mode. Wait for exact mode so the demo shows the real thing.
-    let state = std::sync::Arc::clone(&cluster.routers[0].state);
-    crate::cluster::eventually("the router to load the model's tokenizer", WAIT, || {
-        let has = state.tokenizers.get(MODEL).is_some();
-        async move { has }
-    })
-    .await?;
+    cluster.wait_tokenizer(MODEL, WAIT).await?;
     Ok(cluster)
 }

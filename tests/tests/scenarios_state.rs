@@ -60,19 +60,9 @@ async fn start(exact: bool, pending_ttl: f64) -> Option<Cluster> {
     let cluster = Cluster::start(cfg).await.unwrap();
     cluster.wait_all_routable(WAIT).await.unwrap();
     if exact {
-        wait_tokenizer(&cluster, 0).await;
+        cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
     }
     Some(cluster)
-}
-
-async fn wait_tokenizer(cluster: &Cluster, r: usize) {
-    let state = cluster.routers[r].state.clone();
-    eventually("the router to load the tokenizer", WAIT, || {
-        let has = state.tokenizers.get(MODEL).is_some();
-        async move { has }
-    })
-    .await
-    .unwrap();
 }
 
 /// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).
@@ -260,7 +250,7 @@ async fn restarts_of_router_sidecar_and_engine_leave_routing_true() {
         .await
         .unwrap();
     let rebuilt = restarted.elapsed();
-    wait_tokenizer(&cluster, 0).await;
+    cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
     eprintln!(
         "router restart: stop+start {:?}, view rebuilt {rebuilt:?} after start",
         restarted - t0

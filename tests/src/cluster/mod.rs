@@ -669,6 +669,47 @@ impl Cluster {
         self.wait_routable(&all, within).await
     }
 
+    /// Waits until every router built `model`'s tokenizer from a sidecar's files, so text prompts
+    /// are routed in exact prefix mode, as in production (until then a router is approximate).
+    pub async fn wait_tokenizer(&self, model: &str, within: Duration) -> Result<(), ClusterError> {
+        for r in &self.routers {
+            let state = Arc::clone(&r.state);
+            eventually(
+                &format!("router {} to load the tokenizer of {model}", r.index),
+                within,
+                || {
+                    let has = state.tokenizers.get(model).is_some();
+                    async move { has }
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the engines together finished `n` more requests than in `before` (read with
+    /// [`Cluster::all_counters`]), then returns each pod's delta. An engine counts a request as
+    /// its answer ends, so a client that has its answer may read the counter a moment early.
+    pub async fn counters_after(
+        &self,
+        before: &[PodCounters],
+        n: f64,
+        within: Duration,
+    ) -> Result<Vec<PodCounters>, ClusterError> {
+        let out = std::sync::Mutex::new(Vec::new());
+        eventually("the engines to count every request", within, || async {
+            let Ok(after) = self.all_counters().await else {
+                return false;
+            };
+            let d: Vec<PodCounters> = after.iter().zip(before).map(|(a, b)| a.since(b)).collect();
+            let done = d.iter().map(|d| d.requests).sum::<f64>() >= n;
+            *out.lock().unwrap_or_else(|e| e.into_inner()) = d;
+            done
+        })
+        .await?;
+        Ok(out.into_inner().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Reads pod `i`'s engine counters from its own `/metrics`.
     pub async fn pod_counters(&self, i: usize) -> Result<PodCounters, ClusterError> {
         let text = self
