@@ -1,6 +1,7 @@
 //! vllm-sim's KV events and fault knobs over real sockets: what a subscriber of the pod sees
 //! while requests run, and the failures reliability tests inject (dead engine, hang, slow down,
-//! lost KV-event seqs, a publisher restart), through both the handle and `POST /sim/faults`.
+//! lost KV-event seqs, a publisher restart, a whole pod restart), through both the handle and
+//! `POST /sim/faults`.
 
 mod sim_support;
 
@@ -13,6 +14,8 @@ use kvsight_testbed::sim::server::{SimConfig, SimPod, SimPodHandle};
 use rmpv::Value as Mp;
 use serde_json::json;
 use sim_support::{WAIT, get, metric, post_json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 fn engine(time_scale: f64) -> EngineConfig {
     EngineConfig::builder()
@@ -329,5 +332,118 @@ async fn client_disconnect_aborts_the_request() -> anyhow::Result<()> {
         m.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"vllm-sim\"} 1.0"),
         "{m}"
     );
+    Ok(())
+}
+
+/// Sends `head` on a fresh connection to `addr` and reads until the end of the response headers,
+/// so the server is known to hold the connection (and the request) before the test goes on.
+async fn open_request(addr: std::net::SocketAddr, head: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(head.as_bytes()).await.expect("write");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(WAIT, async {
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = stream.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed before the headers");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("response headers");
+    stream
+}
+
+/// Whether the peer closed `stream`: reads (and discards) whatever is still in flight until EOF or
+/// a reset, `false` if the connection is still open after `WAIT`.
+async fn closed_by_peer(stream: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(WAIT, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+/// `restart` is a process restart: when the old pod's shutdown returns, every socket it had is
+/// closed — an SSE stream stuck on a hung engine past the grace, an idle keep-alive connection,
+/// raw connections to the PUB and replay ports — and the new pod binds the very same ports
+/// (first chosen by the OS) without a retry. A SUB connected across the restart sees the old
+/// connection end, reconnects by itself, and receives the new process's events from seq 0.
+#[tokio::test]
+async fn restart_closes_every_socket_and_rebinds_the_same_ports() -> anyhow::Result<()> {
+    let (pod, mut sub) = pod_with_events(engine(0.001)).await;
+    complete(&pod, &(0..40).collect::<Vec<u32>>(), 1).await;
+    assert_eq!(sub.recv(WAIT).await?.seq, 0);
+    complete(&pod, &(100..140).collect::<Vec<u32>>(), 1).await;
+    assert_eq!(sub.recv(WAIT).await?.seq, 1);
+    let (http, kv, replay) = (
+        pod.http_addr(),
+        pod.kv_endpoint().expect("kv").to_owned(),
+        pod.replay_endpoint().expect("replay").to_owned(),
+    );
+    let port = |endpoint: &str| -> std::net::SocketAddr {
+        endpoint
+            .strip_prefix("tcp://")
+            .and_then(|a| a.parse().ok())
+            .expect("tcp endpoint")
+    };
+
+    // A hung engine keeps this stream open forever: only a forced close can end it.
+    pod.set_hung(true);
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 50, "stream": true}).to_string();
+    let mut stream = open_request(
+        http,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: pod\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await;
+    let mut idle = open_request(http, "GET /health HTTP/1.1\r\nHost: pod\r\n\r\n").await;
+    let mut raw_pub = TcpStream::connect(port(&kv)).await?;
+    let mut raw_replay = TcpStream::connect(port(&replay)).await?;
+
+    let pod = pod.restart(Duration::from_millis(100)).await?;
+    assert!(closed_by_peer(&mut stream).await, "SSE stream left open");
+    assert!(
+        closed_by_peer(&mut idle).await,
+        "keep-alive connection left open"
+    );
+    assert!(
+        closed_by_peer(&mut raw_pub).await,
+        "PUB connection left open"
+    );
+    assert!(
+        closed_by_peer(&mut raw_replay).await,
+        "replay connection left open"
+    );
+    assert_eq!(pod.http_addr(), http);
+    assert_eq!(pod.kv_endpoint(), Some(kv.as_str()));
+    assert_eq!(pod.replay_endpoint(), Some(replay.as_str()));
+
+    // A new process: empty cache, not hung, seqs from 0, an empty replay buffer.
+    assert_eq!(pod.resident_block_hashes().await, Some(Vec::new()));
+    let replayed = client::replay(&replay, 0, ReplayLayout::New, WAIT, 10).await?;
+    assert!(replayed.is_empty(), "{replayed:?}");
+    // The SUB notices the old connection's end only while it reads, so read while the new pod
+    // waits for its resubscription and then serves a request.
+    let publisher = pod.publisher().expect("events on");
+    let (received, served) = tokio::join!(sub.recv(WAIT), async {
+        publisher.wait_for_subscriptions(1, WAIT).await?;
+        complete(&pod, &(0..40).collect::<Vec<u32>>(), 1).await;
+        anyhow::Ok(())
+    });
+    served?;
+    let f = received?;
+    assert_eq!(f.seq, 0);
+    assert_eq!(events(&f.payload)[0].0, "BlockStored");
+    pod.shutdown(Duration::from_millis(100)).await;
     Ok(())
 }

@@ -107,6 +107,21 @@ impl PublisherConfig {
             ..Self::default()
         }
     }
+
+    /// This configuration with every ephemeral port (`:0`) replaced by the port `bound` got, so
+    /// that binding it again takes the same ports, as a restarted process configured with fixed
+    /// ports would. Fixed ports and connect endpoints are kept as they are.
+    pub fn with_bound_ports(&self, bound: &KvEventPublisher) -> Self {
+        let rank = self.data_parallel_rank.unwrap_or(0);
+        Self {
+            endpoint: pin_port(&self.endpoint, bound.endpoint(), rank),
+            replay_endpoint: match (&self.replay_endpoint, bound.replay_endpoint()) {
+                (Some(configured), Some(resolved)) => Some(pin_port(configured, resolved, rank)),
+                (configured, _) => configured.clone(),
+            },
+            ..self.clone()
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +170,24 @@ pub fn offset_endpoint_port(endpoint: &str, rank: u32) -> Result<String, Publish
         .filter(|p| *p <= u32::from(u16::MAX))
         .ok_or_else(|| endpoint_error(endpoint, "port + data-parallel rank exceeds 65535"))?;
     Ok(format!("{base}:{shifted}"))
+}
+
+/// `configured` with its port 0 replaced by `resolved`'s port, less the data-parallel offset that
+/// [`KvEventPublisher::bind`] adds again to a non-zero port; `configured` when its port is not 0.
+fn pin_port(configured: &str, resolved: &str, rank: u32) -> String {
+    let Some((base, "0")) = configured.rsplit_once(':') else {
+        return configured.to_owned();
+    };
+    let port = resolved
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse::<u32>().ok())
+        .and_then(|port| port.checked_sub(rank))
+        .filter(|port| *port > 0);
+    match port {
+        Some(port) => format!("{base}:{port}"),
+        // A resolved port below the offset cannot come from bind(); keep asking the OS.
+        None => configured.to_owned(),
+    }
 }
 
 fn endpoint_error(endpoint: &str, reason: &str) -> PublishError {
@@ -416,8 +449,9 @@ impl KvEventPublisher {
         lock(&self.shared).live_drop = range;
     }
 
-    /// Fault knob: behave like a restarted vLLM process — the next batch is seq 0 again and the
-    /// replay buffer is empty. The sockets stay up (a real restart would also drop connections).
+    /// Fault knob: the sequence part of a vLLM restart — the next batch is seq 0 again and the
+    /// replay buffer is empty, but the sockets stay up. A whole restart, connections dropped and
+    /// ports bound anew, is `SimPodHandle::restart`.
     pub fn restart_sequence(&self) {
         let mut shared = lock(&self.shared);
         shared.next_seq = 0;
@@ -604,6 +638,32 @@ mod tests {
         );
         assert!(offset_endpoint_port("ipc:///tmp/x", 1).is_err());
         assert!(offset_endpoint_port("tcp://*:65535", 1).is_err());
+    }
+
+    #[test]
+    fn pinned_ports_bind_the_same_ports_again() {
+        assert_eq!(
+            pin_port("tcp://127.0.0.1:0", "tcp://127.0.0.1:41234", 0),
+            "tcp://127.0.0.1:41234"
+        );
+        assert_eq!(
+            pin_port("tcp://*:0", "tcp://0.0.0.0:41234", 0),
+            "tcp://*:41234"
+        );
+        // bind() shifts a non-zero port by the rank again.
+        let pinned = pin_port("tcp://127.0.0.1:0", "tcp://127.0.0.1:41234", 2);
+        assert_eq!(
+            offset_endpoint_port(&pinned, 2).unwrap(),
+            "tcp://127.0.0.1:41234"
+        );
+        assert_eq!(
+            pin_port("tcp://*:5557", "tcp://0.0.0.0:5559", 2),
+            "tcp://*:5557"
+        );
+        assert_eq!(
+            pin_port("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5557", 0),
+            "tcp://10.0.0.1:5557"
+        );
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! The simulator's outside: everything a client, the sidecar or a scraper sees of a vLLM pod.
-//! [`SimPod::start`] runs one simulated pod inside the caller's tokio runtime — an engine driver
-//! task around the sans-I/O [`Engine`](super::engine::Engine), vLLM 0.33's OpenAI HTTP API and
-//! `/metrics` on an axum listener, and (optionally) the KV-event publisher — and returns a
+//! [`SimPod::start`] runs one simulated pod on its own thread and tokio runtime — an engine
+//! driver task around the sans-I/O [`Engine`](super::engine::Engine), vLLM 0.33's OpenAI HTTP API
+//! and `/metrics` on an axum listener, and (optionally) the KV-event publisher — and returns a
 //! [`SimPodHandle`] with the bound addresses and the fault knobs. Many pods can run in one
-//! process; each binds its own ports, and dropping the handle stops everything it started.
+//! process; each binds its own ports, and stopping a pod drops its runtime, which closes every
+//! socket it had, as a process exit would.
 
 mod cli;
 mod driver;
@@ -137,6 +138,9 @@ pub enum StartError {
     /// The KV-event sockets could not start.
     #[error(transparent)]
     Publisher(#[from] PublishError),
+    /// The pod's own thread or runtime could not be created.
+    #[error("cannot run the pod's thread: {0}")]
+    Runtime(#[source] std::io::Error),
 }
 
 /// Entry point for running simulated pods.
@@ -144,79 +148,205 @@ pub enum StartError {
 pub struct SimPod;
 
 impl SimPod {
-    /// Starts a pod inside the current tokio runtime: binds HTTP (and the KV-event sockets when
-    /// configured), spawns the engine driver and the server, and returns once all are listening.
+    /// Starts a pod on a thread of its own running its own tokio runtime: binds HTTP (and the
+    /// KV-event sockets when configured), spawns the engine driver and the server, and returns
+    /// once all are listening. Callable from any async context.
+    ///
+    /// Why a runtime per pod: a real vLLM pod is a process, and when it exits the kernel closes
+    /// every socket it had. Inside one shared runtime nothing can give that guarantee — axum
+    /// spawns a task per connection and one per SSE stream, and the `zeromq` crate spawns accept
+    /// and handshake tasks and keeps accepted connections in state its socket shares with them,
+    /// none of which end when the tasks we spawned end. Dropping the pod's runtime drops every
+    /// task it runs, whoever spawned it, and with them every socket.
     pub async fn start(config: SimConfig) -> Result<SimPodHandle, StartError> {
         if config.served_model_names.is_empty() {
             return Err(StartError::NoModelName);
         }
-        let codec = text::Codec::new(config.tokenizer.as_ref()).map_err(StartError::Tokenizer)?;
-        let mut engine_config = config.engine.clone();
-        if let Some(vocab) = codec.vocab_size().and_then(|v| u32::try_from(v).ok()) {
-            // Generated ids must be ids the tokenizer can decode.
-            engine_config.vocab_size = engine_config.vocab_size.min(vocab).max(1);
+        let (started_tx, started_rx) = oneshot::channel();
+        let (stop, stop_rx) = oneshot::channel();
+        let (exited_tx, exited) = oneshot::channel();
+        let pod_config = config.clone();
+        std::thread::Builder::new()
+            .name("vllm-sim-pod".to_owned())
+            .spawn(move || run_pod(pod_config, started_tx, stop_rx, exited_tx))
+            .map_err(StartError::Runtime)?;
+        let running = started_rx.await.map_err(|_| {
+            StartError::Runtime(std::io::Error::other(
+                "the pod's thread ended before the pod started",
+            ))
+        })??;
+        let mut restart_config = config;
+        restart_config.http_addr = running.http_addr;
+        if let (Some(pc), Some(p)) = (restart_config.kv_events.as_mut(), &running.publisher) {
+            *pc = pc.with_bound_ports(p);
         }
-        let engine = Engine::new(engine_config)?;
-        let publisher = match &config.kv_events {
-            Some(pc) => Some(Arc::new(KvEventPublisher::bind(pc.clone()).await?)),
-            None => None,
-        };
-        let listener = TcpListener::bind(config.http_addr)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: config.http_addr,
-                source,
-            })?;
-        let http_addr = listener.local_addr().map_err(|source| StartError::Bind {
-            addr: config.http_addr,
-            source,
-        })?;
-        let shared = Arc::new(driver::Shared::new(&config));
-        let (commands, rx) = mpsc::unbounded_channel();
-        let driver =
-            tokio::spawn(driver::Driver::new(engine, rx, shared.clone(), publisher.clone()).run());
-        let state = http::AppState::new(
-            config.clone(),
-            codec,
-            commands.clone(),
-            shared.clone(),
-            publisher.clone(),
-        );
-        let (stop, stop_rx) = oneshot::channel::<()>();
-        let server = tokio::spawn(async move {
-            let app = http::app(state);
-            // A serve error means the listener died; the handle's `/health` checks will show it.
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stop_rx.await;
-                })
-                .await;
-        });
         Ok(SimPodHandle {
-            http_addr,
-            kv_endpoint: publisher.as_ref().map(|p| p.endpoint().to_owned()),
-            replay_endpoint: publisher
+            http_addr: running.http_addr,
+            kv_endpoint: running.publisher.as_ref().map(|p| p.endpoint().to_owned()),
+            replay_endpoint: running
+                .publisher
                 .as_ref()
                 .and_then(|p| p.replay_endpoint().map(str::to_owned)),
-            publisher,
-            commands,
-            shared,
+            restart_config,
+            publisher: running.publisher,
+            commands: running.commands,
+            shared: running.shared,
             stop: Some(stop),
-            tasks: vec![driver, server],
+            exited: Some(exited),
         })
     }
 }
 
-/// A running simulated pod. Dropping it stops the server, the driver and the publisher.
+/// What the pod's thread hands back once everything listens.
+struct Running {
+    http_addr: SocketAddr,
+    publisher: Option<Arc<KvEventPublisher>>,
+    commands: mpsc::UnboundedSender<driver::Command>,
+    shared: Arc<driver::Shared>,
+}
+
+/// The parts only the pod's own runtime touches, for a graceful stop.
+struct Serving {
+    stop_http: oneshot::Sender<()>,
+    server: JoinHandle<()>,
+    publisher: Option<Arc<KvEventPublisher>>,
+}
+
+/// The body of a pod's thread: builds the runtime, starts the pod in it, serves until the handle
+/// asks for a stop (graceful, with its grace) or is dropped (immediate), then drops the runtime
+/// and says so on `exited`.
+fn run_pod(
+    config: SimConfig,
+    started: oneshot::Sender<Result<Running, StartError>>,
+    stop: oneshot::Receiver<Duration>,
+    exited: oneshot::Sender<()>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            let _ = started.send(Err(StartError::Runtime(e)));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let serving = match serve(config).await {
+            Ok((running, serving)) => {
+                if started.send(Ok(running)).is_err() {
+                    // The caller stopped waiting for the start: nobody holds a handle.
+                    return;
+                }
+                serving
+            }
+            Err(e) => {
+                let _ = started.send(Err(e));
+                return;
+            }
+        };
+        // An error means the handle was dropped: stop at once, like a killed process.
+        if let Ok(grace) = stop.await {
+            serving.stop_gracefully(grace).await;
+        }
+    });
+    // Every task still in the runtime (driver, connections, streams, the zeromq crate's accept
+    // and peer tasks) is dropped here, closing its sockets, before `exited` reports the stop.
+    drop(runtime);
+    let _ = exited.send(());
+}
+
+/// Binds everything and spawns the driver and the HTTP server into the current runtime.
+async fn serve(config: SimConfig) -> Result<(Running, Serving), StartError> {
+    let codec = text::Codec::new(config.tokenizer.as_ref()).map_err(StartError::Tokenizer)?;
+    let mut engine_config = config.engine.clone();
+    if let Some(vocab) = codec.vocab_size().and_then(|v| u32::try_from(v).ok()) {
+        // Generated ids must be ids the tokenizer can decode.
+        engine_config.vocab_size = engine_config.vocab_size.min(vocab).max(1);
+    }
+    let engine = Engine::new(engine_config)?;
+    let publisher = match &config.kv_events {
+        Some(pc) => Some(Arc::new(KvEventPublisher::bind(pc.clone()).await?)),
+        None => None,
+    };
+    let listener = TcpListener::bind(config.http_addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.http_addr,
+            source,
+        })?;
+    let http_addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.http_addr,
+        source,
+    })?;
+    let shared = Arc::new(driver::Shared::new(&config));
+    let (commands, rx) = mpsc::unbounded_channel();
+    // The driver ends with the runtime; nothing needs its handle.
+    drop(tokio::spawn(
+        driver::Driver::new(engine, rx, shared.clone(), publisher.clone()).run(),
+    ));
+    let state = http::AppState::new(
+        config,
+        codec,
+        commands.clone(),
+        shared.clone(),
+        publisher.clone(),
+    );
+    let (stop_http, stop_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let app = http::app(state);
+        // A serve error means the listener died; the handle's `/health` checks will show it.
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.await;
+            })
+            .await;
+    });
+    Ok((
+        Running {
+            http_addr,
+            publisher: publisher.clone(),
+            commands,
+            shared,
+        },
+        Serving {
+            stop_http,
+            server,
+            publisher,
+        },
+    ))
+}
+
+impl Serving {
+    /// Stops accepting HTTP connections, lets open responses finish and queued KV events leave,
+    /// all within one `grace`.
+    async fn stop_gracefully(self, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + grace;
+        let _ = self.stop_http.send(());
+        // Past the deadline the runtime's drop ends whatever is still open.
+        let _ = tokio::time::timeout_at(deadline, self.server).await;
+        if let Some(p) = &self.publisher {
+            let _ = tokio::time::timeout_at(deadline, p.flush()).await;
+        }
+    }
+}
+
+/// A running simulated pod. Dropping it stops the pod at once (every socket closes shortly after,
+/// on the pod's thread); [`shutdown`](Self::shutdown) stops it gracefully and returns only once
+/// every socket is closed.
 pub struct SimPodHandle {
     http_addr: SocketAddr,
     kv_endpoint: Option<String>,
     replay_endpoint: Option<String>,
+    /// The configuration with the ports this pod bound, for [`restart`](Self::restart).
+    restart_config: SimConfig,
     publisher: Option<Arc<KvEventPublisher>>,
     commands: mpsc::UnboundedSender<driver::Command>,
     shared: Arc<driver::Shared>,
-    stop: Option<oneshot::Sender<()>>,
-    tasks: Vec<JoinHandle<()>>,
+    /// Dropped (with the handle) = stop now; sent = stop with this grace.
+    stop: Option<oneshot::Sender<Duration>>,
+    /// Resolves once the pod's runtime, and so every socket, is gone.
+    exited: Option<oneshot::Receiver<()>>,
 }
 
 impl std::fmt::Debug for SimPodHandle {
@@ -308,26 +438,32 @@ impl SimPodHandle {
         self.shared.is_dead()
     }
 
-    /// Stops accepting connections, lets open responses finish for at most `grace`, then stops
-    /// the driver and the publisher.
+    /// Stops the pod as a process exit would, after a grace period: stops accepting HTTP
+    /// connections, lets open responses finish and queued KV events leave for at most `grace`
+    /// in all, then ends everything. When this returns, every socket of the pod is closed: the
+    /// HTTP listener and its connections, the KV-event PUB listener and its subscribers'
+    /// connections (they see the disconnect), the replay socket. The same addresses can be bound
+    /// again at once.
     pub async fn shutdown(mut self, grace: Duration) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(grace);
         }
-        if let Some(server) = self.tasks.pop() {
-            let _ = tokio::time::timeout(grace, server).await;
-        }
-        if let Some(p) = &self.publisher {
-            let _ = tokio::time::timeout(grace, p.flush()).await;
+        if let Some(exited) = self.exited.take() {
+            // An error only means the pod's thread ended without saying so (a panic): its
+            // runtime, and so its sockets, are gone as well.
+            let _ = exited.await;
         }
     }
-}
 
-impl Drop for SimPodHandle {
-    fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
+    /// What a vLLM restart looks like from outside: the pod shuts down (see
+    /// [`shutdown`](Self::shutdown)) and a new one starts with the same configuration on the
+    /// same addresses — HTTP, PUB and replay ports, even those first chosen by the OS — with an
+    /// empty cache, fresh metrics, no faults, and KV-event seqs starting at 0 again. Fails only if
+    /// another socket took one of the ports in between.
+    pub async fn restart(self, grace: Duration) -> Result<SimPodHandle, StartError> {
+        let config = self.restart_config.clone();
+        self.shutdown(grace).await;
+        SimPod::start(config).await
     }
 }
 
