@@ -621,21 +621,13 @@ impl Cluster {
     pub async fn restart_sim(&mut self, i: usize) -> Result<(), ClusterError> {
         let pod = &mut self.pods[i];
         let old = pod.sim.take().expect("the simulator is running");
-        old.shutdown(Duration::from_secs(5)).await;
-        let mut config = pod.spec.sim.clone();
-        config.http_addr = pod.http_addr;
-        if let Some(dir) = &pod.spec.tokenizer_dir {
-            config.tokenizer =
-                Some(TokenizerFiles::from_dir(dir).map_err(io("reading the tokenizer"))?);
-        }
-        if let (Some(kv), Some(endpoint)) = (config.kv_events.as_mut(), pod.kv_endpoint.clone()) {
-            kv.endpoint = endpoint;
-            kv.replay_endpoint = pod.replay_endpoint.clone();
-        }
-        let sim = SimPod::start(config).await.map_err(|e| ClusterError::Pod {
-            pod: pod.spec.name.clone(),
-            message: format!("restarting the simulator: {e}"),
-        })?;
+        let sim = old
+            .restart(Duration::from_secs(5))
+            .await
+            .map_err(|e| ClusterError::Pod {
+                pod: pod.spec.name.clone(),
+                message: format!("restarting the simulator: {e}"),
+            })?;
         pod.sim = Some(sim);
         Ok(())
     }
