@@ -67,3 +67,79 @@ fn demo_rejects_a_bad_flag_with_usage_status() {
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--pods"));
 }
+
+#[test]
+fn demo_serve_leaves_a_working_cluster_up_until_interrupted() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::time::{Duration, Instant};
+
+    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
+        eprintln!("skipped: demo_serve_leaves_a_working_cluster_up_until_interrupted: {e}");
+        return;
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvsight-demo"))
+        .args(["--json", "--serve"])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill the cluster whatever happens below.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stdout = child.stdout.take().unwrap();
+    let mut child = Reap(child);
+    let mut lines = BufReader::new(stdout).lines();
+    let report: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    assert_eq!(report["ok"], true, "{report:#}");
+    let router = lines.next().unwrap().unwrap();
+    let addr = router
+        .strip_prefix("router: http://")
+        .unwrap_or_else(|| panic!("not the router line: {router:?}"))
+        .to_owned();
+    let pod_lines: Vec<String> = (0..2).map(|_| lines.next().unwrap().unwrap()).collect();
+    for (i, l) in pod_lines.iter().enumerate() {
+        assert!(
+            l.starts_with(&format!("pod-{i}: vllm http://127.0.0.1:"))
+                && l.contains(" sidecar http://127.0.0.1:"),
+            "{l}"
+        );
+    }
+
+    // The cluster still answers: plain HTTP/1.1 to the router, as curl would.
+    let mut tcp = std::net::TcpStream::connect(&addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        tcp,
+        "GET /v1/models HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    tcp.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"kvsight-demo\""), "{answer}");
+
+    // Ctrl-C stops it, with the experiments' status.
+    let pid = child.0.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "still running 30 s after SIGINT");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+}
