@@ -10,6 +10,8 @@
 //! by its model, and its post-processor adds the special tokens. Tokenizers of any other shape
 //! keep the crate's full pipeline. `tests` below compare both roads on adversarial text.
 
+use regex_automata::meta::Regex;
+use regex_automata::{Anchored, Input};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{
     Encoding, Model as _, NormalizerWrapper, OffsetReferential, OffsetType, PreTokenizerWrapper,
@@ -25,7 +27,7 @@ const WORD_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{
 /// Encodes text with a byte-level BPE tokenizer without the `NormalizedString` machinery.
 #[derive(Debug)]
 pub(super) struct ByteLevelFastPath {
-    words: regex::Regex,
+    words: Regex,
     add_prefix_space: bool,
     /// GPT-2's `bytes_to_unicode`: the character each byte is written as before BPE.
     byte_chars: [char; 256],
@@ -47,7 +49,7 @@ impl ByteLevelFastPath {
         };
         Some(Self {
             // The pattern is a constant known to compile; `None` (no fast path) would only cost speed.
-            words: regex::Regex::new(WORD_PATTERN).ok()?,
+            words: Regex::new(WORD_PATTERN).ok()?,
             add_prefix_space: *add_prefix_space,
             byte_chars: bytes_to_unicode(),
         })
@@ -65,11 +67,11 @@ impl ByteLevelFastPath {
             .get_added_vocabulary()
             .extract_and_normalize(None::<&NormalizerWrapper>, text);
         let model = tokenizer.get_model();
-        let mut tokens: Vec<Token> = Vec::new();
+        let mut ids: Vec<u32> = Vec::with_capacity(text.len() / 3);
         let mut word = String::new();
         for (piece, _, added) in pieces.get_splits(OffsetReferential::Original, OffsetType::None) {
             if let Some(added) = added {
-                tokens.extend(added.iter().cloned());
+                ids.extend(added.iter().map(|t| t.id));
                 continue;
             }
             let prefixed;
@@ -82,10 +84,17 @@ impl ByteLevelFastPath {
             self.for_each_word(piece, |w| {
                 word.clear();
                 word.extend(w.bytes().map(|b| self.byte_chars[usize::from(b)]));
-                tokens.extend(model.tokenize(&word).map_err(encode_err)?);
+                let merged = model.tokenize(&word).map_err(encode_err)?;
+                ids.extend(merged.iter().map(|t| t.id));
                 Ok(())
             })?;
         }
+        // The post-processor adds the special tokens by id; token strings and offsets, which
+        // only `Encoding`'s other fields carry, are left empty.
+        let tokens = ids
+            .into_iter()
+            .map(|id| Token::new(id, String::new(), (0, 0)))
+            .collect();
         let encoding = tokenizer
             .post_process(Encoding::from_tokens(tokens, 0), None, add_special_tokens)
             .map_err(encode_err)?;
@@ -94,7 +103,8 @@ impl ByteLevelFastPath {
 
     /// Calls `f` with each word of `text` as `ByteLevel`'s pattern splits it.
     ///
-    /// Every character matches some alternative, so consecutive matches tile `text`. A match
+    /// Every character matches some alternative, so consecutive matches tile `text` and each
+    /// search is anchored where the previous word ended (a forward scan only). A match
     /// ending in whitespace came from the `\s+` alternative (the others end in a letter, digit
     /// or symbol); where the pattern tries `\s+(?!\S)` first, a run of two or more whitespace
     /// characters followed by a non-space gives back its last character, which then starts
@@ -106,19 +116,25 @@ impl ByteLevelFastPath {
     ) -> Result<(), TokenizerError> {
         let mut start = 0;
         while start < text.len() {
-            let Some(found) = self.words.find_at(text, start) else {
-                break;
+            let input = Input::new(text).range(start..).anchored(Anchored::Yes);
+            let end = match self.words.find(input) {
+                Some(found) => {
+                    let matched = &text[start..found.end()];
+                    match matched.chars().next_back() {
+                        Some(last)
+                            if found.end() < text.len()
+                                && last.is_whitespace()
+                                && matched.len() > last.len_utf8() =>
+                        {
+                            found.end() - last.len_utf8()
+                        }
+                        _ => found.end(),
+                    }
+                }
+                None => start,
             };
-            let mut end = found.end();
-            if end < text.len()
-                && let Some(last) = found.as_str().chars().next_back()
-                && last.is_whitespace()
-                && found.len() > last.len_utf8()
-            {
-                end -= last.len_utf8();
-            }
             // Defensive: the pattern tiles the text, but never loop or skip if it did not.
-            if found.start() != start || end <= start {
+            if end <= start {
                 return Err(TokenizerError::Encode(format!(
                     "byte-level pre-tokenizer lost its place at byte {start}"
                 )));
