@@ -17,10 +17,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use sha2::{Digest as _, Sha256};
 
+mod byte_level;
 mod config;
 mod conversation;
 mod template;
 
+use byte_level::ByteLevelFastPath;
 use config::{
     SPECIAL_TOKEN_KEYS, apply_bos_eos_flags, config_chat_template, parse_config,
     register_config_tokens, token_content,
@@ -143,6 +145,8 @@ pub struct ChatExtras {
 #[derive(Clone, Debug)]
 pub struct ModelTokenizer {
     tokenizer: Arc<tokenizers::Tokenizer>,
+    /// Same ids as `tokenizer.encode`, faster, for byte-level BPE tokenizers.
+    fast_path: Option<Arc<ByteLevelFastPath>>,
     /// Lazily reported: a template minijinja cannot compile must not stop completions working.
     template: Result<Arc<ChatTemplate>, TokenizerError>,
     template_source: Option<String>,
@@ -207,6 +211,7 @@ impl ModelTokenizer {
         };
         let digest = inputs.digest();
         let mut this = Self {
+            fast_path: ByteLevelFastPath::detect(&tokenizer).map(Arc::new),
             tokenizer: Arc::new(tokenizer),
             template: Err(TokenizerError::NoChatTemplate),
             template_source: None,
@@ -289,6 +294,18 @@ impl ModelTokenizer {
 
     /// Encodes text with or without the post-processor's special tokens.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        match &self.fast_path {
+            Some(fast) => fast.encode(&self.tokenizer, text, add_special_tokens),
+            None => self.encode_reference(text, add_special_tokens),
+        }
+    }
+
+    /// `tokenizers`' own full pipeline: what the fast path must equal.
+    fn encode_reference(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let encoding = self
             .tokenizer
             .encode(text, add_special_tokens)

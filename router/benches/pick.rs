@@ -1,6 +1,8 @@
 //! Hot paths of the router: a pick over 64 pods for a 512-block chain (cold, partial and the
 //! worst case where every pod holds the whole chain), and tokenize + hash of a ~2k-token chat
-//! with the project's own tokenizer. Besides criterion's figures, each pick case prints its p50
+//! with the project's own tokenizer (byte-level BPE, the tokenizer's fast path) and, when the
+//! fixture is beside the checkout, with Phi-3-mini's (sentencepiece-style: `tokenizers`' full
+//! pipeline). Besides criterion's figures, each pick case prints its p50
 //! and p99 over 20 000 single picks (criterion reports means, the target is a p99).
 //!
 //! `cargo bench -p kvsight-router --bench pick`
@@ -147,15 +149,28 @@ fn pick_bench(c: &mut Criterion) {
     }
 }
 
+/// The Phi-3-mini fixture (`../shared/fixtures`), absent on machines without the shared folder.
+const PHI3_DIR: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/fixtures/tokenizers/phi-3-mini"
+);
+
 fn tokenize_bench(c: &mut Criterion) {
-    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("skipped: tokenize_bench: own tokenizer unavailable: {e}");
-            return;
-        }
-    };
-    let tok = model_tokenizer(&read_dir(&dir).unwrap()).unwrap();
+    match kvsight_testbed::own_tokenizer::ensure_dir() {
+        Ok(dir) => tokenize_chat(c, "own", &dir),
+        Err(e) => eprintln!("skipped: tokenize_bench own: own tokenizer unavailable: {e}"),
+    }
+    let phi3 = std::path::Path::new(PHI3_DIR);
+    if phi3.join("tokenizer.json").is_file() {
+        tokenize_chat(c, "phi3", phi3);
+    } else {
+        eprintln!("skipped: tokenize_bench phi3: fixture {PHI3_DIR} absent");
+    }
+}
+
+/// Tokenize + hash of the same ~2k-token chat (120 guidelines as the system prompt).
+fn tokenize_chat(c: &mut Criterion, name: &str, dir: &std::path::Path) {
+    let tok = model_tokenizer(&read_dir(dir).unwrap()).unwrap();
     let system = kvsight_testbed::own_tokenizer::guidelines_preamble(120, 7);
     let body = serde_json::json!({
         "model": "m",
@@ -165,12 +180,12 @@ fn tokenize_bench(c: &mut Criterion) {
         ]
     });
     let n = tok.encode_chat(&body).unwrap().len();
-    eprintln!("chat prompt: {n} tokens");
+    eprintln!("chat prompt [{name}]: {n} tokens");
     let seed = ChainSeed {
         lora: None,
         cache_salt: None,
     };
-    c.bench_function(&format!("tokenize_and_hash_chat_{n}_tokens"), |b| {
+    c.bench_function(&format!("tokenize_and_hash_chat_{name}_{n}_tokens"), |b| {
         b.iter(|| {
             let t = tok.encode_chat(black_box(&body)).unwrap();
             black_box(hash_chain(&seed, &t, BS as usize))
