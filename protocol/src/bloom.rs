@@ -362,12 +362,13 @@ impl BloomFilter {
         if chain.params != self.params {
             return 0;
         }
+        let stride = stride.max(1);
         let probes = chain.probes.get(start..).unwrap_or(&[]);
         probes
             .iter()
-            .step_by(stride.max(1))
+            .step_by(stride)
             .position(|&(line, positions)| !self.lines[line as usize].contains(positions))
-            .map_or(probes.len(), |k| k * stride.max(1))
+            .map_or(probes.len(), |k| k * stride)
     }
 
     /// The filter's shape.

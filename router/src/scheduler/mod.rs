@@ -382,9 +382,10 @@ impl Scheduler {
                 m.resolve(c, req, ctx.now);
             }
         }
-        // Scored with the whole chain cached, an unmatched candidate's total is an upper bound.
-        for c in open.iter_mut().filter(|c| !c.exact) {
-            c.set_match(c.chain_len, req.prompt_tokens);
+        // One probe each settles every pod lacking the chain's next block; the others are
+        // scored with the whole chain cached, an upper bound.
+        for c in open.iter_mut() {
+            m.bound(c, req, ctx.now, usize::MAX);
         }
         let mut values = vec![0.0; used.len() * n];
         for (k, (s, _)) in used.iter().enumerate() {
@@ -439,7 +440,7 @@ impl Scheduler {
             if sampled[i] {
                 m.resolve(&mut open[i], req, ctx.now);
             } else {
-                m.bound(&mut open[i], req, ctx.now);
+                m.bound(&mut open[i], req, ctx.now, BOUND_STRIDE);
                 sampled[i] = true;
             }
             for (k, (s, _)) in used.iter().enumerate() {
@@ -573,15 +574,15 @@ impl Matcher<'_> {
         c
     }
 
-    /// Sets the candidate's match to an upper bound of its real match, from a few sampled
-    /// probes; the real match when the bound proves it.
-    fn bound(&self, c: &mut Candidate<'_>, req: &PickRequest<'_>, now: Instant) {
+    /// Sets the candidate's match to an upper bound of its real match, from probes every
+    /// `stride` blocks; the real match when the bound proves it.
+    fn bound(&self, c: &mut Candidate<'_>, req: &PickRequest<'_>, now: Instant, stride: usize) {
         if c.exact {
             return;
         }
         let chain = &self.chains[c.chain_index].1;
         let prepared = c.prepared_index.map(|i| &self.prepared[i].2);
-        let (lo, hi) = c.pod.matched_bounds(chain, prepared, now, BOUND_STRIDE);
+        let (lo, hi) = c.pod.matched_bounds(chain, prepared, now, stride);
         c.set_match(hi, req.prompt_tokens);
         c.exact = lo == hi;
     }
