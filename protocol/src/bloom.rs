@@ -350,6 +350,27 @@ impl BloomFilter {
             .unwrap_or(probes.len())
     }
 
+    /// An upper bound on [`Self::present_run_prepared`] from every `stride`-th block only: the
+    /// filter has no false negatives, so a sampled block it lacks ends every run that reaches
+    /// it, and the run is at most the distance to the first such block. Costs one probe where
+    /// the run is short and `len / stride` where it is long; never below the real run.
+    pub fn present_run_bound(&self, chain: &PreparedChain, start: usize, stride: usize) -> usize {
+        debug_assert_eq!(
+            chain.params, self.params,
+            "chain prepared for another shape"
+        );
+        if chain.params != self.params {
+            return 0;
+        }
+        let stride = stride.max(1);
+        let probes = chain.probes.get(start..).unwrap_or(&[]);
+        probes
+            .iter()
+            .step_by(stride)
+            .position(|&(line, positions)| !self.lines[line as usize].contains(positions))
+            .map_or(probes.len(), |k| k * stride)
+    }
+
     /// The filter's shape.
     pub fn params(&self) -> FilterParams {
         self.params

@@ -186,6 +186,27 @@ impl Pod {
         })
     }
 
+    /// Bounds on [`Self::matched_blocks`] for a few probes: at least the pending prefix, at most
+    /// that plus the filter's run bound sampled every `stride` blocks (equal when no filter is
+    /// probed).
+    pub fn matched_bounds(
+        &self,
+        chain: &[u64],
+        prepared: Option<&PreparedChain>,
+        now: Instant,
+        stride: usize,
+    ) -> (usize, usize) {
+        let pending = self.pending_blocks(chain, now);
+        let Some(filter) = &self.filter else {
+            return (pending, pending);
+        };
+        let run = match prepared.filter(|p| p.params() == filter.params()) {
+            Some(p) => filter.present_run_bound(p, pending, stride),
+            None => chain.len() - pending,
+        };
+        (pending, pending + run)
+    }
+
     /// Number of leading blocks of `chain` pending or resident: the pending prefix, then the
     /// run of blocks the filter holds after it. `prepared` must be `chain` prepared for this
     /// pod's filter shape when given (the scheduler shares one per shape across pods).

@@ -4,6 +4,14 @@
 //! One trait per extension point ([`Filter`], [`Scorer`]) and one file per implementation;
 //! [`Scheduler::new`] is the factory that turns the config's weights into the scorer set.
 //!
+//! Only the winner's and the runner-up's cache matches are needed exactly (the decision reports
+//! the winner's values and the margin over the runner-up), so the scheduler searches
+//! branch-and-bound: every score that ignores the match is computed first, each pod gets an upper
+//! bound (its whole chain cached), and pods are matched against their Bloom filters in order of
+//! that bound until no unmatched pod can reach the top two. Each match it does compute is the
+//! plain linear scan, so every reported value is exactly what matching every pod would give
+//! (`tests/scheduler.rs` compares the two on random clusters).
+//!
 //! Prefix caching off: when no candidate pod caches prefixes, the prefix, KV and latency scorers
 //! carry no signal worth following, so the scheduler uses least-request scoring (queue and
 //! running requests, LRU to break ties). A router that remembers its own decisions would pile
@@ -11,6 +19,8 @@
 
 pub mod filters;
 pub mod scorers;
+#[cfg(test)]
+mod tests;
 
 use std::time::Instant;
 
@@ -47,6 +57,11 @@ pub struct Ctx<'a> {
 }
 
 /// One pod as seen by this request.
+///
+/// The three match fields hold the pod's real match only once the scheduler has computed it;
+/// until then they hold a bound: nothing cached when filters see them (the most uncached blocks:
+/// a pod kept that way is kept whatever it caches), the whole chain cached when scorers see them
+/// for an upper bound (see [`MatchUse`]).
 #[derive(Debug)]
 pub struct Candidate<'a> {
     pub pod: &'a Pod,
@@ -60,6 +75,21 @@ pub struct Candidate<'a> {
     /// KV blocks the prompt would newly occupy.
     pub new_blocks: u32,
     chain_index: usize,
+    /// Index of the chain prepared for this pod's filter shape, when it has a filter to probe.
+    prepared_index: Option<usize>,
+    /// Whether the match fields are the pod's real match rather than a bound.
+    exact: bool,
+}
+
+impl Candidate<'_> {
+    /// Sets the match fields for `matched` leading blocks.
+    fn set_match(&mut self, matched: usize, prompt_tokens: u32) {
+        let bs = self.pod.hello.engine.block_size.max(1);
+        let cached = cached_tokens(matched, bs, prompt_tokens);
+        self.matched_blocks = matched;
+        self.uncached_tokens = prompt_tokens - cached;
+        self.new_blocks = prompt_tokens.div_ceil(bs) - cached / bs;
+    }
 }
 
 /// A filter: may this pod take the request?
@@ -72,7 +102,26 @@ pub trait Filter: Send + Sync {
 pub trait Scorer: Send + Sync {
     /// The weight's name in the config.
     fn name(&self) -> &'static str;
-    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64>;
+    /// How the values depend on the candidates' cache matches; decides how much of the match
+    /// the scheduler must compute. The default is the safe one: every match, exactly.
+    fn match_use(&self) -> MatchUse {
+        MatchUse::Relative
+    }
+    /// Writes one value per candidate into `out` (`out.len() == cands.len()`).
+    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]);
+}
+
+/// How a scorer reads `matched_blocks`, `uncached_tokens` and `new_blocks`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatchUse {
+    /// Not at all: values computed before any match are final.
+    Ignores,
+    /// A candidate's value depends on its own match only (scored alone it gets the same value),
+    /// and never decreases as the match grows: scored with the whole chain cached it is an
+    /// upper bound.
+    OwnGrowing,
+    /// Any other way (e.g. normalised across the candidates' matches): every match is computed.
+    Relative,
 }
 
 /// Why no pod was picked.
@@ -120,6 +169,10 @@ impl std::fmt::Debug for Scheduler {
             .finish_non_exhaustive()
     }
 }
+
+/// Blocks between the probes that bound a pod's match before the search: shorter tightens the
+/// bounds (fewer pods matched in full) at more probes per pod where the chain is cached.
+const BOUND_STRIDE: usize = 32;
 
 /// Scorers that least-request scoring keeps.
 const LEAST_REQUEST: [&str; 3] = ["queue", "runningRequests", "lru"];
@@ -171,6 +224,18 @@ impl Scheduler {
         req: &PickRequest<'_>,
         now: Instant,
     ) -> Result<Decision, PickError> {
+        self.pick_ranked_by(reg, req, now, Self::rank)
+    }
+
+    /// [`Self::pick`] with the ranking of the open candidates given: the unit tests swap in the
+    /// plain one (every match computed, then sorted) as the reference.
+    fn pick_ranked_by(
+        &self,
+        reg: &mut Registry,
+        req: &PickRequest<'_>,
+        now: Instant,
+        rank: RankFn,
+    ) -> Result<Decision, PickError> {
         let lora = reg
             .pods()
             .any(|p| p.is_lora(req.model))
@@ -181,60 +246,19 @@ impl Scheduler {
             now,
             lora,
         };
-        let seed = ChainSeed {
-            lora,
-            cache_salt: req.cache_salt,
+        let mut m = Matcher {
+            seed: ChainSeed {
+                lora,
+                cache_salt: req.cache_salt,
+            },
+            chains: Vec::new(),
+            prepared: Vec::new(),
         };
-        // One chain per block size among the pods (usually one), and its probe positions once per
-        // filter shape (pods of one model share both), so probing a pod is only memory loads.
-        let mut chains: Vec<(u32, Vec<u64>)> = Vec::new();
-        let mut prepared: Vec<(u32, FilterParams, PreparedChain)> = Vec::new();
         // Set when a pod that serves the model and is ready cannot hold the prompt.
         let mut too_long = false;
-        let mut eligible: Vec<Candidate<'_>> = Vec::new();
+        let mut eligible: Vec<Candidate<'_>> = Vec::with_capacity(reg.len());
         for pod in reg.pods() {
-            let bs = pod.hello.engine.block_size.max(1);
-            let chain_index = match chains.iter().position(|(b, _)| *b == bs) {
-                Some(i) => i,
-                None => {
-                    let chain = req
-                        .tokens
-                        .map(|t| hash_chain(&seed, t, bs as usize))
-                        .unwrap_or_default();
-                    chains.push((bs, chain));
-                    chains.len() - 1
-                }
-            };
-            let chain = &chains[chain_index].1;
-            let caching = pod.hello.engine.prefix_caching;
-            let probe = match &pod.filter {
-                Some(f) if caching && !chain.is_empty() => {
-                    let params = f.params();
-                    let found = prepared
-                        .iter()
-                        .position(|(b, p, _)| *b == bs && *p == params);
-                    Some(found.unwrap_or_else(|| {
-                        prepared.push((bs, params, params.prepare(chain)));
-                        prepared.len() - 1
-                    }))
-                }
-                _ => None,
-            };
-            let matched = if caching {
-                pod.matched_blocks(chain, probe.map(|i| &prepared[i].2), now)
-            } else {
-                0
-            };
-            let cached = cached_tokens(matched, bs, req.prompt_tokens);
-            let cand = Candidate {
-                pod,
-                projection: pod.projection(),
-                chain_len: chain.len(),
-                matched_blocks: matched,
-                uncached_tokens: req.prompt_tokens - cached,
-                new_blocks: req.prompt_tokens.div_ceil(bs) - cached / bs,
-                chain_index,
-            };
+            let cand = m.candidate(pod, req);
             // Filters run in order (serves, ready, window): failing the window means the pod
             // serves the model and is ready.
             match self.hard.iter().find(|f| !f.keep(&ctx, &cand)) {
@@ -253,9 +277,20 @@ impl Scheduler {
             });
         }
         let n_eligible = eligible.len();
-        let (open, saturated): (Vec<_>, Vec<_>) = eligible
-            .into_iter()
-            .partition(|c| self.saturation.keep(&ctx, c));
+        // Candidates come assuming nothing cached, the most blocks a prompt can add: a pod not
+        // saturated by that is not saturated by its real match, which is computed only when the
+        // bound says "saturated".
+        let (mut open, mut saturated) = (Vec::with_capacity(n_eligible), Vec::new());
+        for mut c in eligible {
+            if !self.saturation.keep(&ctx, &c) {
+                m.resolve(&mut c, req, now);
+                if !self.saturation.keep(&ctx, &c) {
+                    saturated.push(c);
+                    continue;
+                }
+            }
+            open.push(c);
+        }
         let all_saturated = open.is_empty();
         let least_request = !saturated
             .iter()
@@ -263,7 +298,9 @@ impl Scheduler {
             .any(|c| c.pod.hello.engine.prefix_caching);
 
         let (winner, total, margin, scores) = if all_saturated {
-            // Every pod is full: the shortest projected queue, then fewest running.
+            // Every pod is full: the shortest projected queue, then fewest running, then the key
+            // (registry order is arbitrary). Saturated
+            // candidates already carry their real match.
             let best = saturated
                 .iter()
                 .enumerate()
@@ -272,6 +309,7 @@ impl Scheduler {
                         c.projection.waiting,
                         c.projection.running,
                         c.pod.last_picked,
+                        &c.pod.key,
                     )
                 })
                 .map(|(i, _)| i)
@@ -283,34 +321,19 @@ impl Scheduler {
                 .iter()
                 .filter(|(s, _)| !least_request || LEAST_REQUEST.contains(&s.name()))
                 .collect();
-            let per_scorer: Vec<Vec<f64>> =
-                used.iter().map(|(s, _)| s.scores(&ctx, &open)).collect();
-            let totals: Vec<f64> = (0..open.len())
-                .map(|i| {
-                    used.iter()
-                        .zip(&per_scorer)
-                        .map(|((_, w), v)| w * v[i])
-                        .sum()
-                })
-                .collect();
-            let mut order: Vec<usize> = (0..open.len()).collect();
-            // Highest total first; ties broken by pod key so decisions are reproducible.
-            order.sort_by(|&a, &b| {
-                totals[b]
-                    .total_cmp(&totals[a])
-                    .then_with(|| open[a].pod.key.cmp(&open[b].pod.key))
-            });
-            let best = order[0];
-            let margin = order.get(1).map_or(0.0, |&j| totals[best] - totals[j]);
+            let ranked = rank(self, &ctx, &used, &mut open, &mut m);
+            let (best, total) = ranked.best;
+            let margin = ranked.runner_up.map_or(0.0, |(_, t)| total - t);
             let scores = used
                 .iter()
-                .zip(&per_scorer)
-                .map(|((s, _), v)| (s.name(), v[best]))
+                .enumerate()
+                .map(|(k, (s, _))| (s.name(), ranked.values[k * open.len() + best]))
                 .collect();
-            (&open[best], totals[best], margin, scores)
+            (&open[best], total, margin, scores)
         };
 
         let bs = winner.pod.hello.engine.block_size.max(1);
+        debug_assert!(winner.exact, "the winner's match is computed");
         let decision = Decision {
             pod: winner.pod.key.clone(),
             url: winner.pod.hello.pod.url.clone(),
@@ -325,20 +348,255 @@ impl Scheduler {
             candidates: n_eligible,
         };
         let new_blocks = winner.new_blocks;
-        let chain_index = winner.chain_index;
-        let record_chain = if winner.pod.hello.engine.prefix_caching {
-            chains[chain_index].1.clone()
+        let record_chain: &[u64] = if winner.pod.hello.engine.prefix_caching {
+            &m.chains[winner.chain_index].1
         } else {
-            Vec::new()
+            &[]
         };
         reg.record_pick(
             &decision.pod,
             new_blocks,
-            &record_chain,
+            record_chain,
             now,
             self.cfg.pending_ttl(),
         );
         Ok(decision)
+    }
+
+    /// Scores the open candidates and finds the best two totals (highest first, ties broken by
+    /// pod key so decisions are reproducible), computing real matches only where needed.
+    fn rank(
+        &self,
+        ctx: &Ctx<'_>,
+        used: &[&(Box<dyn Scorer>, f64)],
+        open: &mut [Candidate<'_>],
+        m: &mut Matcher<'_>,
+    ) -> Ranked {
+        let n = open.len();
+        let req = ctx.req;
+        if used
+            .iter()
+            .any(|(s, _)| s.match_use() == MatchUse::Relative)
+        {
+            for c in open.iter_mut() {
+                m.resolve(c, req, ctx.now);
+            }
+        }
+        // One probe each settles every pod lacking the chain's next block; the others are
+        // scored with the whole chain cached, an upper bound.
+        for c in open.iter_mut() {
+            m.bound(c, req, ctx.now, usize::MAX);
+        }
+        let mut values = vec![0.0; used.len() * n];
+        for (k, (s, _)) in used.iter().enumerate() {
+            s.scores(ctx, open, &mut values[k * n..(k + 1) * n]);
+        }
+        let total_of = |values: &[f64], i: usize| -> f64 {
+            used.iter()
+                .enumerate()
+                .map(|(k, (_, w))| w * values[k * n + i])
+                .sum()
+        };
+        let mut totals: Vec<f64> = (0..n).map(|i| total_of(&values, i)).collect();
+        // The pods outlive `open`, so their keys can be read while candidates are resolved.
+        let keys: Vec<&str> = open.iter().map(|c| c.pod.key.as_str()).collect();
+        let key = |i: usize| keys[i];
+        // The best two exact candidates so far, best first.
+        let mut top: [Option<usize>; 2] = [None, None];
+        let enter = |top: &mut [Option<usize>; 2], totals: &[f64], i: usize| {
+            let before = |j: usize| by_rank(totals[i], key(i), totals[j], key(j)).is_lt();
+            *top = match *top {
+                [Some(a), b] if !before(a) => match b {
+                    Some(b) if !before(b) => *top,
+                    _ => [Some(a), Some(i)],
+                },
+                [a, _] => [Some(i), a],
+            };
+        };
+        // Best bound first; a bound is tightened in two steps, each only when it could still
+        // reach the top two: sampled probes, then the full linear scan.
+        let mut heap = std::collections::BinaryHeap::with_capacity(n);
+        let mut sampled = vec![false; n];
+        for i in 0..n {
+            if open[i].exact {
+                enter(&mut top, &totals, i);
+            } else {
+                heap.push(Bound {
+                    total: totals[i],
+                    key: key(i),
+                    index: i,
+                });
+            }
+        }
+        while let Some(Bound {
+            total, index: i, ..
+        }) = heap.pop()
+        {
+            if let Some(j) = top[1]
+                && by_rank(total, key(i), totals[j], key(j)).is_gt()
+            {
+                break; // neither this bound nor any after it reaches the runner-up
+            }
+            if sampled[i] {
+                m.resolve(&mut open[i], req, ctx.now);
+            } else {
+                m.bound(&mut open[i], req, ctx.now, BOUND_STRIDE);
+                sampled[i] = true;
+            }
+            for (k, (s, _)) in used.iter().enumerate() {
+                if s.match_use() == MatchUse::OwnGrowing {
+                    let at = k * n + i;
+                    s.scores(ctx, std::slice::from_ref(&open[i]), &mut values[at..=at]);
+                }
+            }
+            totals[i] = total_of(&values, i);
+            if open[i].exact {
+                enter(&mut top, &totals, i);
+            } else {
+                heap.push(Bound {
+                    total: totals[i],
+                    key: key(i),
+                    index: i,
+                });
+            }
+        }
+        let best = top[0].expect("non-empty");
+        Ranked {
+            best: (best, totals[best]),
+            runner_up: top[1].map(|j| (j, totals[j])),
+            values,
+        }
+    }
+}
+
+/// Ranks the open candidates: see [`Scheduler::rank`].
+type RankFn = fn(
+    &Scheduler,
+    &Ctx<'_>,
+    &[&(Box<dyn Scorer>, f64)],
+    &mut [Candidate<'_>],
+    &mut Matcher<'_>,
+) -> Ranked;
+
+/// A candidate's upper-bound total in [`Scheduler::rank`]'s search; the heap's greatest is the
+/// one ranking first.
+struct Bound<'k> {
+    total: f64,
+    key: &'k str,
+    index: usize,
+}
+
+impl Ord for Bound<'_> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        by_rank(self.total, self.key, other.total, other.key).reverse()
+    }
+}
+
+impl PartialOrd for Bound<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Bound<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for Bound<'_> {}
+
+/// `Less` when a total and pod key rank ahead of another: higher total first, then the key.
+fn by_rank(total_a: f64, key_a: &str, total_b: f64, key_b: &str) -> std::cmp::Ordering {
+    total_b.total_cmp(&total_a).then_with(|| key_a.cmp(key_b))
+}
+
+/// The best two candidates of [`Scheduler::rank`] with their totals, and every scorer's values
+/// (scorer `k`, candidate `i` at `k * n + i`; exact for the two).
+struct Ranked {
+    best: (usize, f64),
+    runner_up: Option<(usize, f64)>,
+    values: Vec<f64>,
+}
+
+/// The request's chains, one per block size among the pods (usually one), and their probe
+/// positions once per filter shape (pods of one model share both), so matching a pod is only
+/// memory loads.
+struct Matcher<'s> {
+    seed: ChainSeed<'s>,
+    chains: Vec<(u32, Vec<u64>)>,
+    prepared: Vec<(u32, FilterParams, PreparedChain)>,
+}
+
+impl Matcher<'_> {
+    /// `pod` as a candidate assuming nothing cached; exact already when it caches nothing.
+    fn candidate<'p>(&mut self, pod: &'p Pod, req: &PickRequest<'_>) -> Candidate<'p> {
+        let bs = pod.hello.engine.block_size.max(1);
+        let chain_index = match self.chains.iter().position(|(b, _)| *b == bs) {
+            Some(i) => i,
+            None => {
+                let chain = req
+                    .tokens
+                    .map(|t| hash_chain(&self.seed, t, bs as usize))
+                    .unwrap_or_default();
+                self.chains.push((bs, chain));
+                self.chains.len() - 1
+            }
+        };
+        let chain = &self.chains[chain_index].1;
+        let caching = pod.hello.engine.prefix_caching;
+        let prepared_index = match &pod.filter {
+            Some(f) if caching && !chain.is_empty() => {
+                let params = f.params();
+                let found = self
+                    .prepared
+                    .iter()
+                    .position(|(b, p, _)| *b == bs && *p == params);
+                Some(found.unwrap_or_else(|| {
+                    self.prepared.push((bs, params, params.prepare(chain)));
+                    self.prepared.len() - 1
+                }))
+            }
+            _ => None,
+        };
+        let mut c = Candidate {
+            pod,
+            projection: pod.projection(),
+            chain_len: chain.len(),
+            matched_blocks: 0,
+            uncached_tokens: 0,
+            new_blocks: 0,
+            chain_index,
+            prepared_index,
+            exact: !caching,
+        };
+        c.set_match(0, req.prompt_tokens);
+        c
+    }
+
+    /// Sets the candidate's match to an upper bound of its real match, from probes every
+    /// `stride` blocks; the real match when the bound proves it.
+    fn bound(&self, c: &mut Candidate<'_>, req: &PickRequest<'_>, now: Instant, stride: usize) {
+        if c.exact {
+            return;
+        }
+        let chain = &self.chains[c.chain_index].1;
+        let prepared = c.prepared_index.map(|i| &self.prepared[i].2);
+        let (lo, hi) = c.pod.matched_bounds(chain, prepared, now, stride);
+        c.set_match(hi, req.prompt_tokens);
+        c.exact = lo == hi;
+    }
+
+    /// Computes the candidate's real match (pending chains, then the filter's linear scan).
+    fn resolve(&self, c: &mut Candidate<'_>, req: &PickRequest<'_>, now: Instant) {
+        if c.exact {
+            return;
+        }
+        let chain = &self.chains[c.chain_index].1;
+        let prepared = c.prepared_index.map(|i| &self.prepared[i].2);
+        let matched = c.pod.matched_blocks(chain, prepared, now);
+        c.set_match(matched, req.prompt_tokens);
+        c.exact = true;
     }
 }
 

@@ -1,4 +1,4 @@
-use crate::scheduler::{Candidate, Ctx, Scorer};
+use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// KV-cache headroom: `1 - projected use` (reported use plus the prompts sent since that
 /// report). This prompt's own blocks are left out on purpose: they are fewer where its prefix is
@@ -11,10 +11,13 @@ impl Scorer for KvCache {
         "kvCache"
     }
 
-    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
-        cands
-            .iter()
-            .map(|c| (1.0 - c.projection.kv_usage).clamp(0.0, 1.0))
-            .collect()
+    fn match_use(&self) -> MatchUse {
+        MatchUse::Ignores
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
+        for (o, c) in out.iter_mut().zip(cands) {
+            *o = (1.0 - c.projection.kv_usage).clamp(0.0, 1.0);
+        }
     }
 }

@@ -1,4 +1,4 @@
-use crate::scheduler::{Candidate, Ctx, Scorer};
+use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// For a LoRA request: 1 where the adapter is already loaded (running or waiting requests use
 /// it), 0 elsewhere, so requests for an adapter gather where it is warm. Neutral (1 everywhere)
@@ -10,22 +10,24 @@ impl Scorer for LoraAffinity {
         "loraAffinity"
     }
 
-    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
+    fn match_use(&self) -> MatchUse {
+        MatchUse::Ignores
+    }
+
+    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
         let Some(lora) = ctx.lora else {
-            return vec![1.0; cands.len()];
+            out.fill(1.0);
+            return;
         };
-        cands
-            .iter()
-            .map(|c| {
-                let loaded = c.pod.load.as_ref().is_some_and(|l| {
-                    l.load
-                        .lora_running
-                        .iter()
-                        .chain(&l.load.lora_waiting)
-                        .any(|a| a == lora)
-                });
-                if loaded { 1.0 } else { 0.0 }
-            })
-            .collect()
+        for (o, c) in out.iter_mut().zip(cands) {
+            let loaded = c.pod.load.as_ref().is_some_and(|l| {
+                l.load
+                    .lora_running
+                    .iter()
+                    .chain(&l.load.lora_waiting)
+                    .any(|a| a == lora)
+            });
+            *o = if loaded { 1.0 } else { 0.0 };
+        }
     }
 }

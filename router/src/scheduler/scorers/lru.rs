@@ -1,4 +1,4 @@
-use crate::scheduler::{Candidate, Ctx, Scorer};
+use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// The pod picked longest ago (or never) scores 1, the most recent 0: among otherwise equal pods
 /// traffic rotates instead of piling onto whichever sorts first.
@@ -9,10 +9,15 @@ impl Scorer for Lru {
         "lru"
     }
 
-    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
+    fn match_use(&self) -> MatchUse {
+        MatchUse::Ignores
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
         let n = cands.len();
         if n <= 1 {
-            return vec![1.0; n];
+            out.fill(1.0);
+            return;
         }
         let mut order: Vec<usize> = (0..n).collect();
         // None (never picked) sorts first; ties by key keep the order deterministic.
@@ -20,10 +25,8 @@ impl Scorer for Lru {
             (cands[a].pod.last_picked, &cands[a].pod.key)
                 .cmp(&(cands[b].pod.last_picked, &cands[b].pod.key))
         });
-        let mut out = vec![0.0; n];
         for (rank, i) in order.into_iter().enumerate() {
             out[i] = 1.0 - rank as f64 / (n - 1) as f64;
         }
-        out
     }
 }

@@ -19,13 +19,27 @@ pub use prefix::Prefix;
 pub use queue::Queue;
 pub use running_requests::RunningRequests;
 
-/// `1` for the smallest value, `0` for the largest, linear between; all `1` when all are equal.
-pub(crate) fn lower_is_better(values: &[f64]) -> Vec<f64> {
-    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+use crate::scheduler::Candidate;
+
+/// Writes `1` for the candidate with the smallest `value`, `0` for the largest, linear between;
+/// all `1` when all are equal. No allocation: this runs on every pick.
+pub(crate) fn lower_is_better(
+    cands: &[Candidate<'_>],
+    value: impl Fn(&Candidate<'_>) -> f64,
+    out: &mut [f64],
+) {
+    let (min, max) = cands
+        .iter()
+        .map(&value)
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
     // Also covers an empty slice and NaN (no ordering): everyone scores equally.
     if max.partial_cmp(&min) != Some(std::cmp::Ordering::Greater) {
-        return vec![1.0; values.len()];
+        out.fill(1.0);
+        return;
     }
-    values.iter().map(|v| (max - v) / (max - min)).collect()
+    for (o, c) in out.iter_mut().zip(cands) {
+        *o = (max - value(c)) / (max - min);
+    }
 }

@@ -30,11 +30,8 @@ impl Scorer for PredictedLatency {
         "predictedLatency"
     }
 
-    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
-        let t: Vec<f64> = cands
-            .iter()
-            .map(|c| Self::seconds(c, ctx.req.prompt_tokens))
-            .collect();
-        lower_is_better(&t)
+    // Normalised across the candidates' uncached tokens: `MatchUse::Relative` (the default).
+    fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
+        lower_is_better(cands, |c| Self::seconds(c, ctx.req.prompt_tokens), out);
     }
 }

@@ -1,4 +1,4 @@
-use crate::scheduler::{Candidate, Ctx, Scorer};
+use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// Fraction of the prompt's full blocks that are resident on the pod now (its Bloom filter, plus
 /// blocks of prompts this router just sent there).
@@ -9,13 +9,16 @@ impl Scorer for Prefix {
         "prefix"
     }
 
-    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
-        cands
-            .iter()
-            .map(|c| match c.chain_len {
+    fn match_use(&self) -> MatchUse {
+        MatchUse::OwnGrowing
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
+        for (o, c) in out.iter_mut().zip(cands) {
+            *o = match c.chain_len {
                 0 => 0.0,
                 n => c.matched_blocks as f64 / n as f64,
-            })
-            .collect()
+            };
+        }
     }
 }

@@ -1,5 +1,5 @@
 use super::lower_is_better;
-use crate::scheduler::{Candidate, Ctx, Scorer};
+use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// Fewer waiting requests (projected: reported plus what this router sent since) is better.
 pub struct Queue;
@@ -9,12 +9,11 @@ impl Scorer for Queue {
         "queue"
     }
 
-    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
-        lower_is_better(
-            &cands
-                .iter()
-                .map(|c| f64::from(c.projection.waiting))
-                .collect::<Vec<_>>(),
-        )
+    fn match_use(&self) -> MatchUse {
+        MatchUse::Ignores
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
+        lower_is_better(cands, |c| f64::from(c.projection.waiting), out);
     }
 }

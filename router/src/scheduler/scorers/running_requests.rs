@@ -1,5 +1,5 @@
 use super::lower_is_better;
-use crate::scheduler::{Candidate, Ctx, Scorer};
+use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// Fewer running requests (projected) is better: vLLM's own count, so load that bypassed every
 /// router counts too.
@@ -10,12 +10,11 @@ impl Scorer for RunningRequests {
         "runningRequests"
     }
 
-    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> Vec<f64> {
-        lower_is_better(
-            &cands
-                .iter()
-                .map(|c| f64::from(c.projection.running))
-                .collect::<Vec<_>>(),
-        )
+    fn match_use(&self) -> MatchUse {
+        MatchUse::Ignores
+    }
+
+    fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
+        lower_is_better(cands, |c| f64::from(c.projection.running), out);
     }
 }
