@@ -470,5 +470,9 @@ fn pending_blocks_confirmed_by_the_pod_then_evicted_are_not_credited_for_the_res
     c.holds(i, &chain);
     assert_eq!(matched(&c), chain.len());
     c.holds(i, &[]);
-    assert_eq!(matched(&c), 0, "an evicted prefix is not credited from pending memory");
+    assert_eq!(
+        matched(&c),
+        0,
+        "an evicted prefix is not credited from pending memory"
+    );
 }
