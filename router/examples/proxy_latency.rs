@@ -99,18 +99,28 @@ struct Timings {
     whole: Vec<Duration>,
 }
 
-async fn run(url: &str, streams: usize, per: usize) -> Timings {
-    let client = reqwest::Client::builder()
+/// One client per target, reused from the warm-up on, so the measured requests find their
+/// connections open (200 simultaneous connects would otherwise land in the p99).
+fn client(streams: usize) -> reqwest::Client {
+    reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(streams)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+async fn run(client: &reqwest::Client, url: &str, streams: usize, per: usize) -> Timings {
     let body =
         r#"{"model":"m","prompt":"Hello, how are you today? Tell me about caches.","stream":true}"#;
     let mut tasks = Vec::new();
-    for _ in 0..streams {
+    // Users do not arrive in lockstep: stream i starts i/streams of one answer's duration late,
+    // so the 200 streams' token events spread over time instead of landing as one burst.
+    let answer = TOKEN_INTERVAL * EVENTS as u32;
+    for i in 0..streams {
         let (client, url) = (client.clone(), format!("{url}/v1/completions"));
+        let start = answer * i as u32 / streams as u32;
         tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(start).await;
             let mut out = Vec::with_capacity(per);
             for _ in 0..per {
                 let t = Instant::now();
@@ -183,10 +193,11 @@ async fn main() {
     }
     let router = serve(app(Arc::clone(&state))).await;
     // Warm both paths (connection pools) before measuring.
-    run(&pod, streams, 2).await;
-    run(&router, streams, 2).await;
-    let direct = run(&pod, streams, per).await;
-    let via = run(&router, streams, per).await;
+    let (to_pod, to_router) = (client(streams), client(streams));
+    run(&to_pod, &pod, streams, 2).await;
+    run(&to_router, &router, streams, 2).await;
+    let direct = run(&to_pod, &pod, streams, per).await;
+    let via = run(&to_router, &router, streams, per).await;
     println!(
         "{streams} concurrent streams x {per} requests, {EVENTS} SSE events {:?} apart",
         TOKEN_INTERVAL
