@@ -102,10 +102,15 @@ fn registry(chain: &[u64], held: impl Fn(usize) -> usize) -> (Registry, Vec<(Str
     (reg, conns)
 }
 
-/// Every pod reports its load again: what was sent before is now in the engine's numbers.
+/// Every pod reports its load again and the picked requests finished: what was sent before is
+/// now in the engine's numbers (sends younger than the router's admission lag would otherwise
+/// still count on top, and thousands of picks per second would pile up as projected load).
 fn report_all(reg: &mut Registry, conns: &[(String, ConnId)]) {
     let now = Instant::now();
     for (i, (key, conn)) in conns.iter().enumerate() {
+        while reg.get(key).is_some_and(|p| p.inflight > 0) {
+            reg.record_done(key);
+        }
         reg.apply_load(key, *conn, load(i), now).unwrap();
     }
 }

@@ -34,6 +34,10 @@ pub struct LoadSample {
 struct Sent {
     at: Instant,
     new_blocks: u32,
+    /// Blocks of every send up to and including this one (a running total), so the sum over
+    /// the sends after a cutoff is one subtraction: a pick reads every pod's projection, and a
+    /// busy pod can have thousands of sends inside the admission lag.
+    cum_blocks: u64,
 }
 
 /// One pod's state.
@@ -124,15 +128,17 @@ impl Pod {
                 sent_since_sample: 0,
             };
         };
-        let (mut sent, mut sent_blocks) = (0u32, 0u64);
         let counted = sample
             .sampled_at
             .checked_sub(ADMISSION_LAG)
             .unwrap_or(sample.sampled_at);
-        for s in self.sent.iter().filter(|s| s.at > counted) {
-            sent += 1;
-            sent_blocks += u64::from(s.new_blocks);
-        }
+        // Sends are in time order: the ones after the cutoff are a suffix.
+        let first = self.sent.partition_point(|s| s.at <= counted);
+        let sent = u32::try_from(self.sent.len() - first).unwrap_or(u32::MAX);
+        let sent_blocks = match (self.sent.get(first), self.sent.back()) {
+            (Some(f), Some(l)) => l.cum_blocks - (f.cum_blocks - u64::from(f.new_blocks)),
+            _ => 0,
+        };
         // Of those, only requests still in flight are running (and holding blocks) now: short
         // requests that already finished must not make an idle pod look busy until the next
         // report. Which ones finished is not tracked, so the blocks are scaled alike.
@@ -370,9 +376,11 @@ impl Registry {
         };
         pod.inflight += 1;
         pod.last_picked = Some(now);
+        let cum_blocks = pod.sent.back().map_or(0, |s| s.cum_blocks) + u64::from(new_blocks);
         pod.sent.push_back(Sent {
             at: now,
             new_blocks,
+            cum_blocks,
         });
         // Bound the memory of a pod that stopped reporting: its oldest sends matter least.
         while pod.sent.len() > 4096 {
