@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::cluster::{Cluster, ClusterConfig, ClusterError, PodCounters, PodSpec, WAIT, Warmup};
+use crate::cluster::{Cluster, ClusterConfig, ClusterError, PodSpec, WAIT, Warmup};
 use crate::sim::engine::EngineConfig;
 
 /// The served model name.
@@ -329,14 +329,9 @@ async fn batch(
         }
     }
     let elapsed = started.elapsed();
-    // The engines count a request when it finishes, which is before its answer leaves; wait for
-    // the totals anyway so a slow metrics path cannot shift a request into the next batch.
-    let mut after = cluster.all_counters().await?;
-    let deadline = Instant::now() + WAIT;
-    while total_requests(&after, &before) < BATCH as f64 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        after = cluster.all_counters().await?;
-    }
+    // Wait for the engines' totals so a slow metrics path cannot shift a request into the next
+    // batch.
+    let deltas = cluster.counters_after(&before, BATCH as f64, WAIT).await?;
     let mut e = Experiment {
         name,
         expectation: String::new(),
@@ -346,7 +341,6 @@ async fn batch(
         elapsed,
         ok: false,
     };
-    let deltas: Vec<PodCounters> = after.iter().zip(&before).map(|(a, b)| a.since(b)).collect();
     for (pod, d) in cluster.pods.iter().zip(&deltas) {
         e.requests_per_pod
             .insert(pod.spec.name.clone(), d.requests.round() as u64);
@@ -357,14 +351,6 @@ async fn batch(
     e.hit_rate = e.hit_rate_per_pod.get(&top).copied().flatten();
     e.expectation = expectation(&e);
     Ok(e)
-}
-
-fn total_requests(after: &[PodCounters], before: &[PodCounters]) -> f64 {
-    after
-        .iter()
-        .zip(before)
-        .map(|(a, b)| a.since(b).requests)
-        .sum()
 }
 
 /// Counts the tokens of `text` with the router's `/tokenize` (the engine's ids).
