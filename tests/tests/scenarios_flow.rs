@@ -9,8 +9,9 @@
 //!   made-up `finish_reason`) and a non-streamed request with a 504, and no engine ever receives a
 //!   second copy — where a client talking to vLLM directly would wait for the whole generation.
 //! - **scale-up under keep-alive**: one client on one reused HTTP/1 connection reaches a pod added
-//!   while it sends, within a second of the pod becoming routable — a connection-level (L4)
-//!   balancer would pin that connection to the pod it chose first.
+//!   while it sends, within a second of the pod becoming routable — while through a
+//!   connection-level (L4) balancer the same kind of connection stays pinned to the pod it was
+//!   given first and the new pod gets none of its requests.
 //! - **two router replicas**: load sent through one replica is visible to the other within a
 //!   report interval, which then routes new work away from the busy pod — where a blind
 //!   least-request balancer that only knows its own in-flight requests piles onto the first pod.
@@ -20,8 +21,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvsight_testbed::cluster::{
-    BlindMode, BlindRouter, Cluster, ClusterConfig, PodCounters, PodSpec, Routed, WAIT, eventually,
-    post_json,
+    BlindMode, BlindRouter, Cluster, ClusterConfig, L4Balancer, PodCounters, PodSpec, Routed, WAIT,
+    eventually, post_json,
 };
 use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
@@ -742,6 +743,42 @@ async fn keep_alive_client_reaches_a_pod_added_while_it_sends() {
         pods.len(),
         3,
         "every pod served the one connection: {pods:?}"
+    );
+
+    // The blind behaviour: the same kind of client through a connection-level balancer over the
+    // first two pods; the third joins its backends while the connection is open.
+    let l4 = L4Balancer::start(vec![
+        cluster.pods[0].vllm_addr(),
+        cluster.pods[1].vllm_addr(),
+    ])
+    .await
+    .unwrap();
+    let mut client = OneConnection::connect(l4.addr()).await;
+    let before = cluster.all_counters().await.unwrap();
+    for n in 0..3 {
+        let body = json!({"model": MODEL, "prompt": short_prompt("l4", n), "max_tokens": 2});
+        assert_eq!(client.post("/v1/completions", &body).await.0, 200);
+    }
+    l4.add_target(cluster.pods[new].vllm_addr());
+    for n in 3..12 {
+        let body = json!({"model": MODEL, "prompt": short_prompt("l4", n), "max_tokens": 2});
+        assert_eq!(client.post("/v1/completions", &body).await.0, 200);
+    }
+    let l4_counts: Vec<f64> = cluster
+        .counters_after(&before, 12.0, WAIT)
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| d.requests)
+        .collect();
+    eprintln!("scale-up, L4 balancer: requests per pod on the kept-alive connection {l4_counts:?}");
+    assert_eq!(
+        l4_counts[new], 0.0,
+        "the L4 balancer never reaches the new pod: {l4_counts:?}"
+    );
+    assert!(
+        l4_counts.contains(&12.0),
+        "one pod took the whole connection: {l4_counts:?}"
     );
     cluster.shutdown().await;
 }

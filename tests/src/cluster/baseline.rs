@@ -70,3 +70,73 @@ impl BlindRouter {
         Ok((i, result?))
     }
 }
+
+/// A connection-level (L4) balancer, as a Kubernetes Service with kube-proxy or a TCP load
+/// balancer works: each accepted connection is sent, whole, to the next backend in turn; bytes
+/// are copied both ways until either side closes. It never sees a request, so a kept-alive
+/// connection stays on the pod it was given, whatever joins later.
+#[derive(Debug)]
+pub struct L4Balancer {
+    addr: std::net::SocketAddr,
+    targets: std::sync::Arc<Mutex<Vec<std::net::SocketAddr>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl L4Balancer {
+    /// Listens on an ephemeral loopback port and balances over `targets`.
+    pub async fn start(targets: Vec<std::net::SocketAddr>) -> Result<L4Balancer, ClusterError> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|source| ClusterError::Io {
+                what: "binding the L4 balancer".into(),
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| ClusterError::Io {
+            what: "the L4 balancer's address".into(),
+            source,
+        })?;
+        let targets = std::sync::Arc::new(Mutex::new(targets));
+        let list = std::sync::Arc::clone(&targets);
+        let task = tokio::spawn(async move {
+            let mut next = 0usize;
+            while let Ok((mut client, _)) = listener.accept().await {
+                let target = {
+                    let t = list.lock().unwrap_or_else(|e| e.into_inner());
+                    if t.is_empty() {
+                        continue;
+                    }
+                    next += 1;
+                    t[(next - 1) % t.len()]
+                };
+                tokio::spawn(async move {
+                    if let Ok(mut upstream) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    }
+                });
+            }
+        });
+        Ok(L4Balancer {
+            addr,
+            targets,
+            task,
+        })
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// A backend joins (new connections may be sent to it).
+    pub fn add_target(&self, target: std::net::SocketAddr) {
+        self.targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(target);
+    }
+}
+
+impl Drop for L4Balancer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -31,7 +31,7 @@ use crate::sim::engine::EngineConfig;
 use crate::sim::kv_events::PublisherConfig;
 use crate::sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles};
 
-pub use baseline::{BlindMode, BlindRouter};
+pub use baseline::{BlindMode, BlindRouter, L4Balancer};
 pub use metrics::{PodCounters, parse_counters};
 
 /// How long [`eventually`] and the cluster's waits give a condition by default.
@@ -257,6 +257,11 @@ impl Pod {
     /// The key routers know this pod by.
     pub fn key(&self) -> String {
         format!("kvsight/{}", self.spec.name)
+    }
+
+    /// vLLM's HTTP address.
+    pub fn vllm_addr(&self) -> SocketAddr {
+        self.http_addr
     }
 
     /// vLLM's base URL.
