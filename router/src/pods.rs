@@ -51,6 +51,9 @@ pub struct Pod {
     pub filter: Option<BloomFilter>,
     /// This router's requests currently in flight on the pod.
     pub inflight: u32,
+    /// Of those, how many the last report counted (in flight when it was applied and sent before
+    /// its admission cutoff).
+    included: u32,
     pub last_picked: Option<Instant>,
     sent: VecDeque<Sent>,
     /// Chains of prompts routed here, until their TTL, indexed by their first block: a burst
@@ -148,9 +151,14 @@ impl Pod {
         } else {
             sent_blocks * u64::from(n) / u64::from(sent)
         };
+        // This router's requests the report counted that have finished since: the report still
+        // shows them running until the next one (up to an interval later). Of the requests in
+        // flight now, `n` are newer than the report; the rest are the report's, so whatever it
+        // counted beyond those has finished.
+        let finished = self.included.saturating_sub(self.inflight - n);
         let slots = self.hello.engine.max_num_seqs.max(1);
         let l = &sample.load;
-        let total = l.running.saturating_add(n);
+        let total = l.running.saturating_sub(finished).saturating_add(n);
         let running = total.min(slots);
         let waiting = l.waiting.saturating_add(total - running);
         let gpu_blocks = self.hello.engine.num_gpu_blocks.max(1) as f64;
@@ -272,6 +280,7 @@ impl Registry {
             load: None,
             filter: None,
             inflight: 0,
+            included: 0,
             last_picked: None,
             sent: VecDeque::new(),
             pending: HashMap::new(),
@@ -317,6 +326,8 @@ impl Registry {
         while pod.sent.front().is_some_and(|s| s.at <= counted) {
             pod.sent.pop_front();
         }
+        let newer = u32::try_from(pod.sent.len()).unwrap_or(u32::MAX);
+        pod.included = pod.inflight - newer.min(pod.inflight);
         pod.load = Some(LoadSample {
             load,
             received_at: now,

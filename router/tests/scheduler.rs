@@ -476,3 +476,26 @@ fn pending_blocks_confirmed_by_the_pod_then_evicted_are_not_credited_for_the_res
         "an evicted prefix is not credited from pending memory"
     );
 }
+
+#[test]
+fn a_request_the_last_report_counted_stops_counting_when_it_finishes() {
+    let mut c = Cluster::new(2, true);
+    let s = sched(3.0);
+    let pod = c.pick(&s, &prompt(400, 64)).unwrap();
+    let i = if pod == "ns/pod-0" { 0 } else { 1 };
+    // A report sampled well after the send counts it as running.
+    c.now += Duration::from_millis(200);
+    c.report(i, load(1, 0, 0.0));
+    assert_eq!(c.reg.get(&pod).unwrap().projection().running, 1);
+    // It finishes before the next report: the pod is idle now, not for another interval.
+    c.reg.record_done(&pod);
+    let p = c.reg.get(&pod).unwrap().projection();
+    assert_eq!((p.running, p.waiting), (0, 0), "{p:?}");
+    // Load the router did not send stays: the report's other running request is not ours.
+    let pod2 = c.pick(&s, &prompt(401, 64)).unwrap();
+    let j = if pod2 == "ns/pod-0" { 0 } else { 1 };
+    c.now += Duration::from_millis(200);
+    c.report(j, load(3, 0, 0.0));
+    c.reg.record_done(&pod2);
+    assert_eq!(c.reg.get(&pod2).unwrap().projection().running, 2);
+}
