@@ -82,6 +82,10 @@ pub const ADMISSION_LAG: Duration = Duration::from_millis(100);
 /// Most pending chains remembered per pod; beyond it the oldest are dropped first.
 const MAX_PENDING_CHAINS: usize = 4096;
 
+/// Most pending chains per first block (prompts sharing a system prompt): enough for a burst to
+/// land together, small enough that matching a request against them stays cheap.
+pub const MAX_PENDING_PER_FIRST_BLOCK: usize = 16;
+
 /// The load the scheduler should assume: the last report plus what was sent since its sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Projection {
@@ -422,9 +426,19 @@ impl Registry {
         let chains = pod.pending.entry(first).or_default();
         let before = chains.len();
         chains.retain(|(_, exp)| *exp > now);
-        let expired = before - chains.len();
-        chains.push((Arc::from(chain), now + ttl));
-        pod.pending_chains = pod.pending_chains - expired + 1;
+        // The same prompt again (a burst of one prefix): refresh it rather than keep copies, and
+        // keep only the newest few per first block, because every pick compares its chain with
+        // each of them.
+        if let Some(same) = chains.iter_mut().find(|(c, _)| c[..] == chain[..]) {
+            same.1 = now + ttl;
+        } else {
+            chains.push((Arc::from(chain), now + ttl));
+            if chains.len() > MAX_PENDING_PER_FIRST_BLOCK {
+                chains.remove(0);
+            }
+        }
+        let after = chains.len();
+        pod.pending_chains = pod.pending_chains + after - before;
     }
 
     /// A request to `key` finished (whatever the outcome).

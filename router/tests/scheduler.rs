@@ -499,3 +499,35 @@ fn a_request_the_last_report_counted_stops_counting_when_it_finishes() {
     c.reg.record_done(&pod2);
     assert_eq!(c.reg.get(&pod2).unwrap().projection().running, 2);
 }
+
+#[test]
+fn pending_memory_keeps_the_newest_chains_per_first_block_and_one_copy_of_a_repeat() {
+    use kvsight_router::pods::MAX_PENDING_PER_FIRST_BLOCK;
+    let mut c = Cluster::new(1, true);
+    let s = sched(3.0);
+    // Prompts sharing their first 3 blocks (a system prompt), then differing.
+    let prompt_n = |n: u32| -> Vec<u32> {
+        let mut t = prompt(9, 48);
+        t.extend(prompt(1000 + n, 32));
+        t
+    };
+    let n_total = MAX_PENDING_PER_FIRST_BLOCK as u32 + 4;
+    for n in 0..n_total {
+        c.pick(&s, &prompt_n(n)).unwrap();
+        // A repeat of the same prompt is one entry, refreshed.
+        c.pick(&s, &prompt_n(n)).unwrap();
+    }
+    let pod = c.reg.get("ns/pod-0").unwrap();
+    let matched = |n: u32| {
+        let chain = hash_chain(&ChainSeed::BASE, &prompt_n(n), BS as usize);
+        (pod.matched_blocks(&chain, None, c.now), chain.len())
+    };
+    let (m, len) = matched(n_total - 1);
+    assert_eq!(m, len, "the newest chain is pending in full");
+    let (m, len) = matched(0);
+    assert_eq!(
+        m, 3,
+        "the oldest was dropped; its shared prefix still matches a newer chain"
+    );
+    assert!(len > 3);
+}
