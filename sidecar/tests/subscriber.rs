@@ -115,7 +115,11 @@ impl Harness {
     async fn start(configure: impl FnOnce(&mut PublisherConfig)) -> Harness {
         let mut cfg = PublisherConfig::loopback("kv@test");
         configure(&mut cfg);
-        let publisher = KvEventPublisher::bind(cfg).await.expect("bind publisher");
+        Harness::attach(KvEventPublisher::bind(cfg).await.expect("bind publisher")).await
+    }
+
+    /// Subscribes to a publisher that may already have published (a sidecar starting late).
+    async fn attach(publisher: KvEventPublisher) -> Harness {
         let mirror = Arc::new(Mutex::new(Mirror::new(10_000).unwrap()));
         let metrics = Arc::new(Metrics::new());
         let sub = KvSubscriber::connect(
@@ -427,47 +431,21 @@ async fn a_late_subscriber_catches_up_before_any_new_event() {
     for _ in 0..6 {
         last = publisher.publish(w.batch()).expect("publish");
     }
-    let mirror = Arc::new(Mutex::new(Mirror::new(10_000).unwrap()));
-    let metrics = Arc::new(Metrics::new());
-    let sub = KvSubscriber::connect(
-        SubscriberConfig {
-            endpoint: publisher.endpoint().to_owned(),
-            replay_endpoint: publisher.replay_endpoint().map(str::to_owned),
-            topic: "kv@test".into(),
-            replay_timeout: Duration::from_secs(5),
-        },
-        Arc::clone(&mirror),
-        Arc::clone(&metrics),
-    )
-    .await
-    .expect("subscribe");
+    let mut h = Harness::attach(publisher).await;
     // No new event was published: the history came from the catch-up alone.
-    let status = sub.status().borrow().clone();
+    let status = h.status.borrow().clone();
     assert_eq!(status.last_seq, Some(last), "{status:?}");
     assert_eq!(status.view, CacheView::Exact);
-    let got: HashSet<u64> = lock(&mirror).blocks().map(|(k, _)| k).collect();
-    assert_eq!(got, w.set());
+    assert_eq!(status.messages, 0, "nothing live was read: {status:?}");
+    assert_eq!(h.mirror_set(), w.set());
 
     // The live stream goes on without a gap or a false restart.
-    publisher
-        .wait_for_subscriptions(1, WAIT)
-        .await
-        .expect("subscription reached the publisher");
-    let mut rx = sub.status();
-    let cancel = CancellationToken::new();
-    tokio::spawn(sub.run(cancel.clone()));
-    let next = publisher.publish(w.batch()).expect("publish");
-    let status = tokio::time::timeout(WAIT, rx.wait_for(|s| s.last_seq == Some(next)))
-        .await
-        .expect("next batch applied")
-        .expect("subscriber alive")
-        .clone();
-    cancel.cancel();
+    let next = h.publish(w.batch());
+    let status = h.applied(next).await;
     assert_eq!(
         (status.gaps, status.restarts, status.losses),
         (0, 0, 0),
         "{status:?}"
     );
-    let got: HashSet<u64> = lock(&mirror).blocks().map(|(k, _)| k).collect();
-    assert_eq!(got, w.set());
+    assert_eq!(h.mirror_set(), w.set());
 }
