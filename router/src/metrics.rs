@@ -78,7 +78,7 @@ impl Metrics {
         );
         prom.register(
             "kvsight_router_pick_seconds",
-            "Time to pick a pod (filters + scorers, under the registry lock)",
+            "Time to pick a pod: hashing the prompt's blocks, waiting for the registry lock, filters and scorers",
             m.pick_seconds.clone(),
         );
         prom.register(

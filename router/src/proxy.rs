@@ -23,7 +23,7 @@ use tracing::{Instrument, field, info_span, warn};
 
 use crate::config::PoolConfig;
 use crate::error::{ApiError, error_body};
-use crate::scheduler::{Decision, PickError, PickRequest};
+use crate::scheduler::{Decision, PickError, PickRequest, PromptHashes, Scheduler};
 use crate::state::{Live, State};
 use crate::tokenize::{self, Prompt};
 
@@ -358,9 +358,14 @@ fn pick<'a>(
 
 fn run_pick(state: &State, live: &Live, req: &PickRequest<'_>) -> Result<Decision, PickError> {
     let t = Instant::now();
+    // Hashing happens between two short holds of the registry lock, not under it: the pods'
+    // shapes rarely change in between, and the pick computes what a newcomer needs.
+    let plan = Scheduler::hash_plan(&state.registry(), req);
+    let mut hashes = PromptHashes::new(&plan, req.tokens);
     let result = {
         let mut reg = state.registry();
-        live.scheduler.pick(&mut reg, req, Instant::now())
+        live.scheduler
+            .pick_prepared(&mut reg, req, &mut hashes, Instant::now())
     };
     state
         .metrics

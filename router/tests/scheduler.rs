@@ -10,7 +10,7 @@ use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
 use kvsight_router::config::{PoolConfig, SchedulerConfig};
 use kvsight_router::pods::{ConnId, Registry};
-use kvsight_router::scheduler::{PickError, PickRequest, Scheduler, cached_tokens};
+use kvsight_router::scheduler::{PickError, PickRequest, PromptHashes, Scheduler, cached_tokens};
 
 const BS: u32 = 16;
 const MODEL: &str = "m";
@@ -530,4 +530,61 @@ fn pending_memory_keeps_the_newest_chains_per_first_block_and_one_copy_of_a_repe
         "the oldest was dropped; its shared prefix still matches a newer chain"
     );
     assert!(len > 3);
+}
+
+/// The router hashes a prompt before it takes the registry lock, from the pods it saw then; a pod
+/// with another block size that joined in between is still matched on its own chain.
+#[test]
+fn hashes_made_before_a_pod_with_another_block_size_joined_still_match_it() {
+    let mut c = Cluster::new(1, true);
+    let p = prompt(3, 640);
+    let r = req(&p);
+    let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&c.reg, &r), r.tokens);
+
+    let mut h = hello("pod-32", true);
+    h.engine.block_size = 32;
+    let (key, conn) = c.reg.register(h, c.now);
+    c.reg
+        .apply_load(&key, conn, load(0, 0, 0.0), c.now)
+        .unwrap();
+    let mut f = CountingFilter::new(FilterParams::for_capacity(1000, 0.01)).unwrap();
+    for b in hash_chain(&ChainSeed::BASE, &p, 32) {
+        f.insert(b);
+    }
+    let _ = f.take_delta();
+    c.reg.apply_snapshot(&key, conn, &f.snapshot()).unwrap();
+
+    let d = sched(3.0)
+        .pick_prepared(&mut c.reg, &r, &mut hashes, c.now)
+        .unwrap();
+    assert_eq!(d.pod, "ns/pod-32");
+    assert_eq!((d.matched_blocks, d.chain_len), (20, 20));
+    assert_eq!(
+        d.predicted_cached_tokens, 608,
+        "640 tokens less the last block"
+    );
+}
+
+/// Hashes made while no pod served `sql-lora` as an adapter used the base seed; once one does,
+/// the adapter's chains differ, and the stale hashes are dropped rather than matched.
+#[test]
+fn hashes_made_under_a_seed_the_pods_no_longer_imply_are_recomputed() {
+    let p = prompt(4, 320);
+    let r = PickRequest {
+        model: "sql-lora",
+        ..req(&p)
+    };
+    let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&Registry::new(), &r), r.tokens);
+
+    let mut c = Cluster::new(2, true);
+    let seed = ChainSeed {
+        lora: Some("sql-lora"),
+        cache_salt: None,
+    };
+    c.holds(1, &hash_chain(&seed, &p, BS as usize));
+    let d = sched(3.0)
+        .pick_prepared(&mut c.reg, &r, &mut hashes, c.now)
+        .unwrap();
+    assert_eq!(d.pod, "ns/pod-1");
+    assert_eq!(d.matched_blocks, 20);
 }

@@ -218,42 +218,89 @@ impl Scheduler {
 
     /// Picks a pod and records the pick in the registry (in flight, pending blocks, LRU), under
     /// the caller's one lock so concurrent picks see each other.
+    ///
+    /// Hashes the prompt under the lock; [`Self::pick_prepared`] takes hashes computed before.
     pub fn pick(
         &self,
         reg: &mut Registry,
         req: &PickRequest<'_>,
         now: Instant,
     ) -> Result<Decision, PickError> {
-        self.pick_ranked_by(reg, req, now, Self::rank)
+        self.pick_prepared(reg, req, &mut PromptHashes::default(), now)
     }
 
-    /// [`Self::pick`] with the ranking of the open candidates given: the unit tests swap in the
-    /// plain one (every match computed, then sorted) as the reference.
-    fn pick_ranked_by(
+    /// [`Self::pick`] with the prompt's hashes computed beforehand ([`Self::hash_plan`], then
+    /// [`PromptHashes::new`], outside the registry lock). Whatever they lack — a pod with a new
+    /// block size or filter shape joined in between — is computed here; hashes made for another
+    /// seed or prompt length are discarded.
+    pub fn pick_prepared<'r>(
         &self,
         reg: &mut Registry,
-        req: &PickRequest<'_>,
+        req: &PickRequest<'r>,
+        hashes: &mut PromptHashes<'r>,
+        now: Instant,
+    ) -> Result<Decision, PickError> {
+        self.pick_ranked_by(reg, req, hashes, now, Self::rank)
+    }
+
+    /// What hashing `req` needs from the registry: the chain's seed (a model that some pod serves
+    /// as a LoRA adapter hashes under the adapter's name) and the block sizes and filter shapes of
+    /// the pods serving it. Cheap: one pass over the pods, no hashing.
+    pub fn hash_plan<'r>(reg: &Registry, req: &PickRequest<'r>) -> HashPlan<'r> {
+        let mut shapes: Vec<(u32, Option<FilterParams>)> = Vec::new();
+        for pod in reg.pods().filter(|p| p.serves(req.model)) {
+            let bs = pod.hello.engine.block_size.max(1);
+            let params = pod
+                .filter
+                .as_ref()
+                .filter(|_| pod.hello.engine.prefix_caching)
+                .map(|f| f.params());
+            if !shapes.contains(&(bs, params)) {
+                shapes.push((bs, params));
+            }
+        }
+        HashPlan {
+            seed: Self::seed(reg, req),
+            shapes,
+        }
+    }
+
+    fn seed<'r>(reg: &Registry, req: &PickRequest<'r>) -> ChainSeed<'r> {
+        ChainSeed {
+            lora: reg
+                .pods()
+                .any(|p| p.is_lora(req.model))
+                .then_some(req.model),
+            cache_salt: req.cache_salt,
+        }
+    }
+
+    /// [`Self::pick_prepared`] with the ranking of the open candidates given: the unit tests swap
+    /// in the plain one (every match computed, then sorted) as the reference.
+    fn pick_ranked_by<'r>(
+        &self,
+        reg: &mut Registry,
+        req: &PickRequest<'r>,
+        m: &mut PromptHashes<'r>,
         now: Instant,
         rank: RankFn,
     ) -> Result<Decision, PickError> {
-        let lora = reg
-            .pods()
-            .any(|p| p.is_lora(req.model))
-            .then_some(req.model);
+        let seed = Self::seed(reg, req);
+        let tokens = req.tokens.map_or(0, <[u32]>::len);
+        if m.seed != seed || m.tokens != tokens {
+            *m = PromptHashes {
+                seed,
+                tokens,
+                ..PromptHashes::default()
+            };
+        }
         let ctx = Ctx {
             req,
             cfg: &self.cfg,
             now,
-            lora,
+            lora: seed.lora,
         };
-        let mut m = Matcher {
-            seed: ChainSeed {
-                lora,
-                cache_salt: req.cache_salt,
-            },
-            chains: Vec::new(),
-            prepared: Vec::new(),
-        };
+        let m = &mut *m;
         // Set when a pod that serves the model and is ready cannot hold the prompt.
         let mut too_long = false;
         let mut eligible: Vec<Candidate<'_>> = Vec::with_capacity(reg.len());
@@ -321,7 +368,7 @@ impl Scheduler {
                 .iter()
                 .filter(|(s, _)| !least_request || LEAST_REQUEST.contains(&s.name()))
                 .collect();
-            let ranked = rank(self, &ctx, &used, &mut open, &mut m);
+            let ranked = rank(self, &ctx, &used, &mut open, m);
             let (best, total) = ranked.best;
             let margin = ranked.runner_up.map_or(0.0, |(_, t)| total - t);
             let scores = used
@@ -370,7 +417,7 @@ impl Scheduler {
         ctx: &Ctx<'_>,
         used: &[&(Box<dyn Scorer>, f64)],
         open: &mut [Candidate<'_>],
-        m: &mut Matcher<'_>,
+        m: &mut PromptHashes<'_>,
     ) -> Ranked {
         let n = open.len();
         let req = ctx.req;
@@ -475,7 +522,7 @@ type RankFn = fn(
     &Ctx<'_>,
     &[&(Box<dyn Scorer>, f64)],
     &mut [Candidate<'_>],
-    &mut Matcher<'_>,
+    &mut PromptHashes<'_>,
 ) -> Ranked;
 
 /// A candidate's upper-bound total in [`Scheduler::rank`]'s search; the heap's greatest is the
@@ -519,50 +566,93 @@ struct Ranked {
     values: Vec<f64>,
 }
 
-/// The request's chains, one per block size among the pods (usually one), and their probe
+/// What [`PromptHashes::new`] computes for a request: see [`Scheduler::hash_plan`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HashPlan<'s> {
+    seed: ChainSeed<'s>,
+    /// Distinct (block size, filter shape of a pod that caches prefixes) among the model's pods.
+    shapes: Vec<(u32, Option<FilterParams>)>,
+}
+
+/// A request's chains, one per block size among the pods (usually one), and their probe
 /// positions once per filter shape (pods of one model share both), so matching a pod is only
 /// memory loads.
-struct Matcher<'s> {
+///
+/// Made before the registry lock is taken: hashing an 8k-token prompt costs about as much as
+/// the rest of a pick over 64 pods, and every other request waits on that lock.
+#[derive(Debug, Default)]
+pub struct PromptHashes<'s> {
     seed: ChainSeed<'s>,
+    /// Length of the token list the chains were hashed from.
+    tokens: usize,
     chains: Vec<(u32, Vec<u64>)>,
     prepared: Vec<(u32, FilterParams, PreparedChain)>,
 }
 
-impl Matcher<'_> {
-    /// `pod` as a candidate assuming nothing cached; exact already when it caches nothing.
-    fn candidate<'p>(&mut self, pod: &'p Pod, req: &PickRequest<'_>) -> Candidate<'p> {
-        let bs = pod.hello.engine.block_size.max(1);
-        let chain_index = match self.chains.iter().position(|(b, _)| *b == bs) {
+impl<'s> PromptHashes<'s> {
+    /// Hashes `tokens` for every shape in `plan`.
+    pub fn new(plan: &HashPlan<'s>, tokens: Option<&[u32]>) -> Self {
+        let mut h = PromptHashes {
+            seed: plan.seed,
+            tokens: tokens.map_or(0, <[u32]>::len),
+            ..PromptHashes::default()
+        };
+        for &(bs, params) in &plan.shapes {
+            let i = h.chain_index(bs, tokens);
+            if let Some(params) = params {
+                h.prepared_index(i, params);
+            }
+        }
+        h
+    }
+
+    /// The chain at block size `bs`, hashed when first asked for.
+    fn chain_index(&mut self, bs: u32, tokens: Option<&[u32]>) -> usize {
+        match self.chains.iter().position(|(b, _)| *b == bs) {
             Some(i) => i,
             None => {
-                let chain = req
-                    .tokens
+                let chain = tokens
                     .map(|t| hash_chain(&self.seed, t, bs as usize))
                     .unwrap_or_default();
                 self.chains.push((bs, chain));
                 self.chains.len() - 1
             }
-        };
-        let chain = &self.chains[chain_index].1;
+        }
+    }
+
+    /// Chain `chain_index`'s probe positions for filter shape `params`, computed when first
+    /// asked for.
+    fn prepared_index(&mut self, chain_index: usize, params: FilterParams) -> usize {
+        let (bs, chain) = &self.chains[chain_index];
+        match self
+            .prepared
+            .iter()
+            .position(|(b, p, _)| b == bs && *p == params)
+        {
+            Some(i) => i,
+            None => {
+                self.prepared.push((*bs, params, params.prepare(chain)));
+                self.prepared.len() - 1
+            }
+        }
+    }
+
+    /// `pod` as a candidate assuming nothing cached; exact already when it caches nothing.
+    fn candidate<'p>(&mut self, pod: &'p Pod, req: &PickRequest<'_>) -> Candidate<'p> {
+        let bs = pod.hello.engine.block_size.max(1);
+        let chain_index = self.chain_index(bs, req.tokens);
+        let chain_len = self.chains[chain_index].1.len();
         let caching = pod.hello.engine.prefix_caching;
         let prepared_index = match &pod.filter {
-            Some(f) if caching && !chain.is_empty() => {
-                let params = f.params();
-                let found = self
-                    .prepared
-                    .iter()
-                    .position(|(b, p, _)| *b == bs && *p == params);
-                Some(found.unwrap_or_else(|| {
-                    self.prepared.push((bs, params, params.prepare(chain)));
-                    self.prepared.len() - 1
-                }))
+            Some(f) if caching && chain_len > 0 => {
+                Some(self.prepared_index(chain_index, f.params()))
             }
             _ => None,
         };
         let mut c = Candidate {
             pod,
             projection: pod.projection(),
-            chain_len: chain.len(),
+            chain_len,
             matched_blocks: 0,
             uncached_tokens: 0,
             new_blocks: 0,

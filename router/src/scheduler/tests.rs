@@ -21,7 +21,7 @@ fn plain_rank(
     ctx: &Ctx<'_>,
     used: &[&(Box<dyn Scorer>, f64)],
     open: &mut [Candidate<'_>],
-    m: &mut Matcher<'_>,
+    m: &mut PromptHashes<'_>,
 ) -> Ranked {
     for c in open.iter_mut() {
         m.resolve(c, ctx.req, ctx.now);
@@ -212,8 +212,16 @@ proptest! {
                 cache_salt: None,
                 exclude: &[],
             };
-            let got = sched.pick(&mut fast, &req, now);
-            let want = sched.pick_ranked_by(&mut plain, &req, now, plain_rank);
+            // The search side hashes as the router does, before the pick.
+            let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&fast, &req), req.tokens);
+            let got = sched.pick_prepared(&mut fast, &req, &mut hashes, now);
+            let want = sched.pick_ranked_by(
+                &mut plain,
+                &req,
+                &mut PromptHashes::default(),
+                now,
+                plain_rank,
+            );
             prop_assert_eq!(got, want);
         }
     }
