@@ -20,6 +20,7 @@ use kvsight_protocol::Phase;
 use crate::error::ApiError;
 use crate::proxy::{self, Kind};
 use crate::state::State;
+use crate::tokenize::Verdict;
 
 type S = AxState<Arc<State>>;
 
@@ -150,7 +151,24 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
             })
         })
         .collect();
-    axum::Json(json!({"pods": pods}))
+    drop(reg);
+    let tokenizers: BTreeMap<String, Value> = state
+        .tokenizers
+        .models()
+        .into_iter()
+        .map(|(model, digest, verdict)| {
+            let (v, why) = match verdict {
+                Verdict::Unchecked => ("unchecked", None),
+                Verdict::Agrees => ("agrees", None),
+                Verdict::Differs(why) => ("differs", Some(why)),
+            };
+            (
+                model,
+                json!({"digest": digest, "verdict": v, "difference": why}),
+            )
+        })
+        .collect();
+    axum::Json(json!({"pods": pods, "tokenizers": tokenizers}))
 }
 
 /// vLLM's `POST /tokenize`. Answered locally with the model's tokenizer when the router has it;

@@ -16,6 +16,7 @@ pub mod reload;
 pub mod scheduler;
 pub mod state;
 pub mod tokenize;
+pub mod tokenizer_check;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -137,6 +138,8 @@ pub async fn serve(
         return Err(e.into());
     }
 
+    let check_task = tokio::spawn(tokenizer_check::run(state.clone(), watch_stop.clone()));
+
     let http_stop = CancellationToken::new();
     // Streams are many small writes: without TCP_NODELAY, Nagle + the client's delayed ACK add
     // ~40 ms to every SSE answer.
@@ -166,6 +169,7 @@ pub async fn serve(
         }
     }
     watch_stop.cancel();
+    let _ = check_task.await;
     quic_stop.cancel();
     let _ = quic_task.await;
     info!("router stopped");

@@ -31,6 +31,8 @@ pub struct Metrics {
     /// Requests by how their prefix chain was computed: `exact` (the model's tokenizer) or
     /// `approximate` (character chunks, no tokenizer for the model yet).
     pub prefix_mode: Family<Labels, Counter>,
+    /// Comparisons of a tokenizer with an engine's `/tokenize`, by model and outcome.
+    pub tokenizer_checks: Family<Labels, Counter>,
     pods: Family<Labels, Gauge>,
     inflight: Family<Labels, Gauge>,
     unrouted: Family<Labels, Gauge>,
@@ -63,6 +65,7 @@ impl Metrics {
             stream_cuts: Family::default(),
             config_reloads: Family::default(),
             prefix_mode: Family::default(),
+            tokenizer_checks: Family::default(),
             pods: Family::default(),
             inflight: Family::default(),
             unrouted: Family::default(),
@@ -110,6 +113,12 @@ impl Metrics {
             "kvsight_router_prefix_mode",
             "Requests by prefix mode: exact (tokenizer) or approximate (router-side memory)",
             m.prefix_mode.clone(),
+        );
+        prom.register(
+            "kvsight_router_tokenizer_checks",
+            "Tokenizers compared with an engine's /tokenize, by model and outcome (agrees, \
+             differs: the model is routed in approximate mode, error: no answer, tried again)",
+            m.tokenizer_checks.clone(),
         );
         prom.register(
             "kvsight_router_pods",
@@ -172,6 +181,15 @@ impl Metrics {
             .get_or_create(&vec![
                 ("model", model.to_owned()),
                 ("mode", mode.to_owned()),
+            ])
+            .inc();
+    }
+
+    pub fn tokenizer_check(&self, model: &str, outcome: &'static str) {
+        self.tokenizer_checks
+            .get_or_create(&vec![
+                ("model", model.to_owned()),
+                ("outcome", outcome.to_owned()),
             ])
             .inc();
     }

@@ -40,8 +40,24 @@ pub trait PromptTokenizer: Send + Sync {
 pub type TokenizerLoader =
     Arc<dyn Fn(&TokenizerFiles) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> + Send + Sync>;
 
-/// A tokenizer with the digest of the files it was built from.
-type Entry = (String, Arc<dyn PromptTokenizer>);
+/// A tokenizer with the digest of the files it was built from and what the engine said of it.
+struct Entry {
+    digest: String,
+    tok: Arc<dyn PromptTokenizer>,
+    verdict: Verdict,
+}
+
+/// Whether a tokenizer gives the engine's own ids (`crate::tokenizer_check` asks a pod).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not yet compared: used meanwhile (a wrong one costs cache affinity, never correctness).
+    Unchecked,
+    /// A pod's `/tokenize` gave the same ids for the probe prompts.
+    Agrees,
+    /// A pod's `/tokenize` gave other ids: the router's chains could never match the pods'
+    /// blocks, so the model is routed in approximate mode and `/tokenize` is forwarded.
+    Differs(String),
+}
 
 /// The tokenizers this router has, by model name.
 #[derive(Default)]
@@ -71,16 +87,57 @@ impl Tokenizers {
         }
     }
 
+    /// The model's tokenizer, unless the engine disagrees with it.
     pub fn get(&self, model: &str) -> Option<Arc<dyn PromptTokenizer>> {
         let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
-        map.get(model).map(|(_, t)| t.clone())
+        map.get(model)
+            .filter(|e| !matches!(e.verdict, Verdict::Differs(_)))
+            .map(|e| e.tok.clone())
     }
 
-    /// Whether the router has `digest` for `model` (or any tokenizer when `digest` is `None`).
+    /// Whether the router has `digest` for `model` (or any tokenizer when `digest` is `None`),
+    /// whatever its verdict: files already judged are not fetched again.
     pub fn has(&self, model: &str, digest: Option<&str>) -> bool {
         let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
         map.get(model)
-            .is_some_and(|(d, _)| digest.is_none_or(|want| d == want))
+            .is_some_and(|e| digest.is_none_or(|want| e.digest == want))
+    }
+
+    /// The verdict on the model's tokenizer, if it has one.
+    pub fn verdict(&self, model: &str) -> Option<Verdict> {
+        let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
+        map.get(model).map(|e| e.verdict.clone())
+    }
+
+    /// Every tokenizer: (model, digest, verdict), by model.
+    pub fn models(&self) -> Vec<(String, String, Verdict)> {
+        let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = map
+            .iter()
+            .map(|(m, e)| (m.clone(), e.digest.clone(), e.verdict.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Every tokenizer not yet compared with an engine: (model, digest, tokenizer).
+    pub fn unchecked(&self) -> Vec<(String, String, Arc<dyn PromptTokenizer>)> {
+        let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = map
+            .iter()
+            .filter(|(_, e)| e.verdict == Verdict::Unchecked)
+            .map(|(m, e)| (m.clone(), e.digest.clone(), e.tok.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Records a verdict, unless the model's tokenizer was replaced since it was checked.
+    pub fn set_verdict(&self, model: &str, digest: &str, verdict: Verdict) {
+        let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = map.get_mut(model).filter(|e| e.digest == digest) {
+            e.verdict = verdict;
+        }
     }
 
     /// Whether files can be turned into a tokenizer at all (a loader is built in).
@@ -90,7 +147,14 @@ impl Tokenizers {
 
     pub fn insert(&self, model: &str, digest: String, tok: Arc<dyn PromptTokenizer>) {
         let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
-        map.insert(model.to_owned(), (digest, tok));
+        map.insert(
+            model.to_owned(),
+            Entry {
+                digest,
+                tok,
+                verdict: Verdict::Unchecked,
+            },
+        );
     }
 
     /// Loads files received for `model` (from a sidecar) with the built-in loader.

@@ -666,17 +666,22 @@ impl Cluster {
         self.wait_routable(&all, within).await
     }
 
-    /// Waits until every router built `model`'s tokenizer from a sidecar's files, so text prompts
-    /// are routed in exact prefix mode, as in production (until then a router is approximate).
+    /// Waits until every router built `model`'s tokenizer from a sidecar's files and an engine's
+    /// `/tokenize` agreed with it, so text prompts are routed in exact prefix mode, as in
+    /// production (until then a router is approximate).
     pub async fn wait_tokenizer(&self, model: &str, within: Duration) -> Result<(), ClusterError> {
         for r in &self.routers {
             let state = Arc::clone(&r.state);
             eventually(
-                &format!("router {} to load the tokenizer of {model}", r.index),
+                &format!(
+                    "router {} to load and check the tokenizer of {model}",
+                    r.index
+                ),
                 within,
                 || {
-                    let has = state.tokenizers.get(model).is_some();
-                    async move { has }
+                    let agrees = state.tokenizers.verdict(model)
+                        == Some(kvsight_router::tokenize::Verdict::Agrees);
+                    async move { agrees }
                 },
             )
             .await?;

@@ -1,0 +1,202 @@
+//! Does the router tokenize as the engine does? Every tokenizer the router holds (from the config
+//! or from a sidecar) is compared once with a Ready pod's own `POST /tokenize`, on a chat and a
+//! completion probe, before it is trusted for good.
+//!
+//! Why: the router's hashes match a pod's blocks only if its token ids are the engine's, id for
+//! id. The same `tokenizer.json` does not guarantee that: vLLM 0.33 ships transformers 5, which
+//! tokenizes some Llama-family models differently from the 4.x semantics the router follows, and
+//! a chat template or special-token setting can differ between the files a router was given and
+//! the ones the engine loaded. A skewed tokenizer does not fail loudly: every prefix simply stops
+//! matching, and routing quietly degrades to load balancing. With a verdict of
+//! [`Verdict::Differs`] the model is routed in approximate mode instead (its own prefix memory,
+//! which works without the engine's ids), `/tokenize` is forwarded to a pod, and the difference
+//! is logged and counted (`kvsight_router_tokenizer_checks_total{outcome="differs"}`).
+//!
+//! Until its verdict, a tokenizer is used: the check needs a Ready pod, and a wrong tokenizer
+//! costs cache affinity for a few seconds, never a wrong answer.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use kvsight_protocol::Phase;
+
+use crate::state::State;
+use crate::tokenize::{PromptTokenizer, Verdict};
+
+/// How often unchecked tokenizers are looked for: a new one waits at most this long once a pod
+/// serving its model is Ready. Cheap when there is nothing to check (one read lock).
+pub const CHECK_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Time allowed for one pod's `/tokenize` answer.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A completion probe: text where tokenizer versions and settings are known to part ways —
+/// leading and repeated spaces, tabs and newlines, digits, punctuation runs, code, accents,
+/// CJK, emoji, and text that looks like special tokens.
+const PROBE_TEXT: &str = " Hello  world!\tTabs,\n\nnewlines and   spaces — 1234567 + 89.5e-3 = ?\n\
+    def f(x):\n    return x**2  # café, naïve, Ångström\n東京の天気は? 🚀🔥 </s> <|im_end|> [INST] \
+    don't won't they'll 'quoted' \"double\" ...!!! ¿Qué? Привет мир";
+
+/// A chat probe: a system prompt, two turns and a pending user turn.
+fn probe_chat(model: &str) -> Value {
+    json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant.  Answer in one line."},
+            {"role": "user", "content": "What's 2+2? Reply with\n\n a digit."},
+            {"role": "assistant", "content": " 4"},
+            {"role": "user", "content": PROBE_TEXT},
+        ],
+        "add_generation_prompt": true,
+    })
+}
+
+/// Runs [`check_pending`] every [`CHECK_INTERVAL`] until `stop` is cancelled.
+pub async fn run(state: Arc<State>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(CHECK_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A check in progress is dropped at shutdown rather than awaited (a pod may take up to
+    // CHECK_TIMEOUT to answer).
+    while stop
+        .run_until_cancelled(async {
+            tick.tick().await;
+            check_pending(&state).await
+        })
+        .await
+        .is_some()
+    {}
+}
+
+/// Compares every unchecked tokenizer with a Ready pod serving its model and records the
+/// verdicts. A model without such a pod, or whose pod does not answer, stays unchecked (tried
+/// again next time). Returns how many verdicts were recorded.
+pub async fn check_pending(state: &State) -> usize {
+    let mut decided = 0;
+    for (model, digest, tok) in state.tokenizers.unchecked() {
+        let Some(url) = ready_pod(state, &model) else {
+            continue;
+        };
+        let verdict = match compare(&state.client, &url, &model, tok.as_ref()).await {
+            Ok(v) => v,
+            Err(e) => {
+                state.metrics.tokenizer_check(&model, "error");
+                debug!(%model, %url, error = %e, "tokenizer check: no answer");
+                continue;
+            }
+        };
+        match &verdict {
+            Verdict::Agrees => {
+                state.metrics.tokenizer_check(&model, "agrees");
+                info!(%model, %url, "tokenizer agrees with the engine");
+            }
+            Verdict::Differs(why) => {
+                state.metrics.tokenizer_check(&model, "differs");
+                warn!(%model, %url, difference = %why,
+                      "tokenizer differs from the engine's: routing this model in approximate mode");
+            }
+            Verdict::Unchecked => continue,
+        }
+        state.tokenizers.set_verdict(&model, &digest, verdict);
+        decided += 1;
+    }
+    decided
+}
+
+/// The least busy Ready, fresh pod serving `model`.
+fn ready_pod(state: &State, model: &str) -> Option<String> {
+    let now = Instant::now();
+    let reg = state.registry();
+    reg.pods()
+        .filter(|p| p.serves(model) && p.phase() == Phase::Ready && !p.is_stale(now))
+        .min_by_key(|p| p.inflight)
+        .map(|p| p.hello.pod.url.clone())
+}
+
+/// The pod's ids against the tokenizer's for both probes.
+async fn compare(
+    client: &reqwest::Client,
+    url: &str,
+    model: &str,
+    tok: &dyn PromptTokenizer,
+) -> Result<Verdict, String> {
+    let chat = probe_chat(model);
+    let completion = json!({"model": model, "prompt": PROBE_TEXT});
+    for (kind, body) in [("chat", &chat), ("completion", &completion)] {
+        let engine = engine_ids(client, url, body).await?;
+        let ours = match kind {
+            "chat" => tok.encode_chat(body),
+            _ => tok.encode_completion(PROBE_TEXT),
+        };
+        let ours = match ours {
+            Ok(ids) => ids,
+            Err(e) => {
+                return Ok(Verdict::Differs(format!(
+                    "{kind}: the router cannot encode: {e}"
+                )));
+            }
+        };
+        if let Some(why) = difference(&ours, &engine) {
+            return Ok(Verdict::Differs(format!("{kind}: {why}")));
+        }
+    }
+    Ok(Verdict::Agrees)
+}
+
+/// vLLM's `/tokenize` answer's `tokens`.
+async fn engine_ids(client: &reqwest::Client, url: &str, body: &Value) -> Result<Vec<u32>, String> {
+    let resp = client
+        .post(format!("{}/tokenize", url.trim_end_matches('/')))
+        .timeout(CHECK_TIMEOUT)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let text = resp.text().await.map_err(|e| e.to_string())?;
+    if !status.is_success() {
+        return Err(format!(
+            "HTTP {status}: {}",
+            text.chars().take(200).collect::<String>()
+        ));
+    }
+    let v: Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
+    serde_json::from_value(v["tokens"].clone()).map_err(|e| format!("no `tokens` list: {e}"))
+}
+
+/// Where two id lists part, in words; `None` when equal.
+fn difference(ours: &[u32], engine: &[u32]) -> Option<String> {
+    let at = ours.iter().zip(engine).take_while(|(a, b)| a == b).count();
+    if at == ours.len() && at == engine.len() {
+        return None;
+    }
+    Some(format!(
+        "ids part at token {at} (router {:?}, engine {:?}; {} vs {} tokens)",
+        ours.get(at),
+        engine.get(at),
+        ours.len(),
+        engine.len()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn difference_names_the_first_token_that_parts() {
+        assert_eq!(difference(&[1, 2, 3], &[1, 2, 3]), None);
+        assert_eq!(
+            difference(&[1, 2, 3], &[1, 9, 3]).unwrap(),
+            "ids part at token 1 (router Some(2), engine Some(9); 3 vs 3 tokens)"
+        );
+        assert_eq!(
+            difference(&[1, 2], &[1, 2, 3]).unwrap(),
+            "ids part at token 2 (router None, engine Some(3); 2 vs 3 tokens)"
+        );
+    }
+}
