@@ -1,15 +1,12 @@
 //! The binary's contract with its operator: a wrong config file exits 64 and names the field.
 
-use std::process::Command;
+use std::process::{Command, Output};
 
-#[test]
-fn an_invalid_config_exits_64_naming_the_field() {
-    let dir = std::env::temp_dir().join(format!("kvsight-router-bin-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("router.yaml");
-    std::fs::write(&cfg, "timeouts:\n  requestSeconds: -5\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
-        .args(["--config", cfg.to_str().unwrap()])
+/// Runs the binary on loopback with `extra` flags and TLS files that do not exist; returns
+/// once it has exited.
+fn run_without_tls_files(extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
+        .args(extra)
         .args([
             "--tls-cert",
             "/nonexistent/c.pem",
@@ -19,7 +16,16 @@ fn an_invalid_config_exits_64_naming_the_field() {
         .args(["--tls-ca", "/nonexistent/ca.pem"])
         .args(["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0"])
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn an_invalid_config_exits_64_naming_the_field() {
+    let dir = std::env::temp_dir().join(format!("kvsight-router-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("router.yaml");
+    std::fs::write(&cfg, "timeouts:\n  requestSeconds: -5\n").unwrap();
+    let out = run_without_tls_files(&["--config", cfg.to_str().unwrap()]);
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(out.status.code(), Some(64), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -28,17 +34,7 @@ fn an_invalid_config_exits_64_naming_the_field() {
 
 #[test]
 fn unreadable_tls_files_exit_64_before_binding() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
-        .args([
-            "--tls-cert",
-            "/nonexistent/c.pem",
-            "--tls-key",
-            "/nonexistent/k.pem",
-        ])
-        .args(["--tls-ca", "/nonexistent/ca.pem"])
-        .args(["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0"])
-        .output()
-        .unwrap();
+    let out = run_without_tls_files(&[]);
     assert_eq!(out.status.code(), Some(64), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert"));
 }

@@ -103,11 +103,71 @@ async fn rest(resp: reqwest::Response) -> String {
         .unwrap()
 }
 
+/// The rest of a response body, parsed as JSON.
+async fn rest_json(resp: reqwest::Response) -> Value {
+    serde_json::from_str(&rest(resp).await).unwrap()
+}
+
+/// The next chunk of a response body: it must come within 5 s and the body must not be over.
+async fn next_chunk(resp: &mut reqwest::Response) -> Bytes {
+    tokio::time::timeout(Duration::from_secs(5), resp.chunk())
+        .await
+        .expect("chunk forwarded while the stream is open")
+        .unwrap()
+        .unwrap()
+}
+
+/// Posts `BODY` as a completion to the router, as a client would.
+async fn complete(router: &str) -> reqwest::Response {
+    client()
+        .post(format!("{router}/v1/completions"))
+        .body(BODY)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A router with `cfg` whose only pod, `ns/a`, is a [`streaming_pod`].
+async fn router_with_streaming_pod(
+    cfg: RouterConfig,
+) -> (
+    Arc<kvsight_router::State>,
+    String,
+    mpsc::Sender<Chunk>,
+    Seen,
+) {
+    let (pod, tx, seen) = streaming_pod().await;
+    let (st, router) = router_for(cfg).await;
+    add_pod(&st, "a", &pod, &[], 0);
+    (st, router, tx, seen)
+}
+
+/// How many requests the router counts in flight on `ns/a`.
+fn inflight(st: &kvsight_router::State) -> u32 {
+    st.registry().get("ns/a").unwrap().inflight
+}
+
+/// Waits until `ns/a` has nothing in flight, at most 5 s (the router records a request as done
+/// on its own task, right after the response ends), and asserts that it got there.
+async fn assert_inflight_settles_to_zero(st: &kvsight_router::State) {
+    for _ in 0..500 {
+        if inflight(st) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(inflight(st), 0);
+}
+
+/// Asserts that the router's `/metrics` contain `line`.
+async fn assert_metrics_contain(router: &str, line: &str) {
+    let m = metrics(router).await;
+    assert!(m.contains(line), "{m}");
+}
+
 #[tokio::test]
 async fn sse_passes_through_chunk_by_chunk_with_request_id_and_unchanged_body() {
-    let (pod, tx, mut seen) = streaming_pod().await;
-    let (st, router) = router_for(RouterConfig::default()).await;
-    add_pod(&st, "a", &pod, &[], 0);
+    let (st, router, tx, mut seen) = router_with_streaming_pod(RouterConfig::default()).await;
     let mut resp = client()
         .post(format!("{router}/v1/completions"))
         .header("content-type", "application/json")
@@ -132,12 +192,7 @@ async fn sse_passes_through_chunk_by_chunk_with_request_id_and_unchanged_body() 
     for i in 0..3 {
         let ev = format!("data: {{\"choices\":[{{\"text\":\"t{i}\"}}]}}\n\n");
         tx.send(Ok(Bytes::from(ev.clone()))).await.unwrap();
-        let got = tokio::time::timeout(Duration::from_secs(5), resp.chunk())
-            .await
-            .expect("chunk forwarded while the stream is open")
-            .unwrap()
-            .unwrap();
-        assert_eq!(got, ev.as_bytes());
+        assert_eq!(next_chunk(&mut resp).await, ev.as_bytes());
     }
     tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
         .await
@@ -145,15 +200,7 @@ async fn sse_passes_through_chunk_by_chunk_with_request_id_and_unchanged_body() 
     drop(tx);
     assert_eq!(rest(resp).await, "data: [DONE]\n\n");
     // record_done ran: nothing in flight any more (the pump finishes right after the body).
-    let reg_inflight = || st.registry().get("ns/a").unwrap().inflight;
-    for _ in 0..100 {
-        if reg_inflight() == 0 {
-            break;
-        }
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(reg_inflight(), 0);
+    assert_inflight_settles_to_zero(&st).await;
 }
 
 fn assert_cut(text: &str, code: u16) {
@@ -172,15 +219,9 @@ fn assert_cut(text: &str, code: u16) {
 
 #[tokio::test]
 async fn the_deadline_cuts_a_started_stream_with_an_error_event() {
-    let (pod, tx, _seen) = streaming_pod().await;
-    let (st, router) = router_for(config_yaml("timeouts:\n  requestSeconds: 0.5\n")).await;
-    add_pod(&st, "a", &pod, &[], 0);
-    let resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let (_st, router, tx, _seen) =
+        router_with_streaming_pod(config_yaml("timeouts:\n  requestSeconds: 0.5\n")).await;
+    let resp = complete(&router).await;
     // Half an event, then silence: the error event must start on its own line.
     tx.send(Ok(Bytes::from_static(
         b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"cho",
@@ -193,45 +234,34 @@ async fn the_deadline_cuts_a_started_stream_with_an_error_event() {
         "{text}"
     );
     assert_cut(&text, 504);
-    assert!(
-        metrics(&router)
-            .await
-            .contains(r#"kvsight_router_stream_cuts_total{reason="deadline"} 1"#)
-    );
+    assert_metrics_contain(
+        &router,
+        r#"kvsight_router_stream_cuts_total{reason="deadline"} 1"#,
+    )
+    .await;
     drop(tx);
 }
 
 #[tokio::test]
 async fn upstream_death_mid_stream_ends_with_an_error_event() {
-    let (pod, tx, _seen) = streaming_pod().await;
-    let (st, router) = router_for(RouterConfig::default()).await;
-    add_pod(&st, "a", &pod, &[], 0);
-    let mut resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let (_st, router, tx, _seen) = router_with_streaming_pod(RouterConfig::default()).await;
+    let mut resp = complete(&router).await;
     tx.send(Ok(Bytes::from_static(
         b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
     )))
     .await
     .unwrap();
     // The client has the first event before the engine dies.
-    let first = tokio::time::timeout(Duration::from_secs(5), resp.chunk())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let first = next_chunk(&mut resp).await;
     assert!(first.starts_with(b"data: {\"choices\""));
     tx.send(Err(io::Error::other("engine died"))).await.unwrap();
     let text = rest(resp).await;
     assert_cut(&text, 502);
-    assert!(
-        metrics(&router)
-            .await
-            .contains(r#"kvsight_router_stream_cuts_total{reason="upstream"} 1"#)
-    );
+    assert_metrics_contain(
+        &router,
+        r#"kvsight_router_stream_cuts_total{reason="upstream"} 1"#,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -239,17 +269,12 @@ async fn the_deadline_before_the_first_byte_is_an_openai_504() {
     let pod = silent_pod().await;
     let (st, router) = router_for(config_yaml("timeouts:\n  requestSeconds: 0.3\n")).await;
     add_pod(&st, "a", &pod, &[], 0);
-    let resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let resp = complete(&router).await;
     assert_eq!(resp.status(), 504);
-    let v: Value = serde_json::from_str(&rest(resp).await).unwrap();
+    let v = rest_json(resp).await;
     assert_eq!(v["error"]["code"], 504);
     assert_eq!(v["error"]["type"], "GatewayTimeoutError");
-    assert_eq!(st.registry().get("ns/a").unwrap().inflight, 0);
+    assert_eq!(inflight(&st), 0);
 }
 
 #[tokio::test]
@@ -259,20 +284,15 @@ async fn a_refused_connection_is_retried_once_on_another_pod() {
     // The vanished pod looks idle, the live one busy, so the vanished one is picked first.
     add_pod(&st, "a", &refused_url(), &[], 0);
     add_pod(&st, "b", &good, &[], 6);
-    let resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let resp = complete(&router).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-pod"], "b");
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_retries_total{reason="connect_refused"} 1"#),
-        "{m}"
-    );
-    assert_eq!(st.registry().get("ns/a").unwrap().inflight, 0);
+    assert_metrics_contain(
+        &router,
+        r#"kvsight_router_retries_total{reason="connect_refused"} 1"#,
+    )
+    .await;
+    assert_eq!(inflight(&st), 0);
 }
 
 #[tokio::test]
@@ -281,14 +301,9 @@ async fn a_second_refusal_is_a_502_not_a_third_try() {
     add_pod(&st, "a", &refused_url(), &[], 0);
     add_pod(&st, "b", &refused_url(), &[], 0);
     add_pod(&st, "c", &refused_url(), &[], 0);
-    let resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let resp = complete(&router).await;
     assert_eq!(resp.status(), 502);
-    let v: Value = serde_json::from_str(&rest(resp).await).unwrap();
+    let v = rest_json(resp).await;
     assert_eq!(v["error"]["code"], 502);
 }
 
@@ -318,19 +333,14 @@ async fn a_context_length_400_is_resent_once_to_the_fallback_pool() {
     let (st, router) = router_for(config_yaml(POOLS)).await;
     add_pod(&st, "small", &small, &[("pool", "short")], 0);
     add_pod(&st, "large", &large, &[("pool", "long")], 0);
-    let resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let resp = complete(&router).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-pod"], "large");
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_retries_total{reason="context_fallback"} 1"#),
-        "{m}"
-    );
+    assert_metrics_contain(
+        &router,
+        r#"kvsight_router_retries_total{reason="context_fallback"} 1"#,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -338,14 +348,9 @@ async fn without_a_fallback_vllms_own_400_reaches_the_client_unchanged() {
     let small = fixed_pod("small", StatusCode::BAD_REQUEST, context_error()).await;
     let (st, router) = router_for(RouterConfig::default()).await;
     add_pod(&st, "small", &small, &[], 0);
-    let resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let resp = complete(&router).await;
     assert_eq!(resp.status(), 400);
-    let v: Value = serde_json::from_str(&rest(resp).await).unwrap();
+    let v = rest_json(resp).await;
     assert_eq!(v, context_error());
     assert!(
         !metrics(&router)
@@ -436,11 +441,11 @@ async fn a_shared_prefix_concentrates_and_prefix_zero_spreads_after_a_reload() {
     let second = route_batch(&router, 8, "b").await;
     let distinct: std::collections::BTreeSet<_> = second.iter().collect();
     assert!(distinct.len() >= 3, "spread with prefix: 0: {second:?}");
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_prefix_mode_total{model="m",mode="approximate"} 16"#),
-        "{m}"
-    );
+    assert_metrics_contain(
+        &router,
+        r#"kvsight_router_prefix_mode_total{model="m",mode="approximate"} 16"#,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -465,31 +470,18 @@ async fn saturated_pods_are_skipped() {
 
 #[tokio::test]
 async fn a_client_leaving_mid_stream_releases_the_pod_and_closes_upstream() {
-    let (pod, tx, _seen) = streaming_pod().await;
-    let (st, router) = router_for(RouterConfig::default()).await;
-    add_pod(&st, "a", &pod, &[], 0);
-    let mut resp = client()
-        .post(format!("{router}/v1/completions"))
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+    let (st, router, tx, _seen) = router_with_streaming_pod(RouterConfig::default()).await;
+    let mut resp = complete(&router).await;
     tx.send(Ok(Bytes::from_static(b"data: {\"a\":1}\n\n")))
         .await
         .unwrap();
     assert!(resp.chunk().await.unwrap().is_some());
-    assert_eq!(st.registry().get("ns/a").unwrap().inflight, 1);
+    assert_eq!(inflight(&st), 1);
     drop(resp);
     // The pod is silent; the router still notices, drops the upstream body (the pod's stream
     // receiver goes away) and records the request as done.
     tokio::time::timeout(Duration::from_secs(5), tx.closed())
         .await
         .expect("upstream closed after the client left");
-    for _ in 0..500 {
-        if st.registry().get("ns/a").unwrap().inflight == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(st.registry().get("ns/a").unwrap().inflight, 0);
+    assert_inflight_settles_to_zero(&st).await;
 }

@@ -2,6 +2,8 @@
 //! filter snapshots built by the sidecar-side counting filter). Each test states the behaviour a
 //! blind router gets wrong.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -12,52 +14,27 @@ use kvsight_router::config::{PoolConfig, SchedulerConfig};
 use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickError, PickRequest, PromptHashes, Scheduler, cached_tokens};
 
-const BS: u32 = 16;
-const MODEL: &str = "m";
+use common::MODEL;
 
+const BS: u32 = 16;
+
+/// The shared test hello at a made-up URL, with prefix caching as asked and a short load
+/// interval.
 fn hello(name: &str, caching: bool) -> Hello {
-    Hello {
-        protocol_version: PROTOCOL_VERSION,
-        instance_id: 1,
-        pod: PodIdentity {
-            name: name.into(),
-            namespace: "ns".into(),
-            url: format!("http://{name}:8000"),
-            labels: BTreeMap::new(),
-        },
-        engine: EngineFacts {
-            block_size: BS,
-            num_gpu_blocks: 1000,
-            prefix_caching: caching,
-            max_num_seqs: 8,
-            max_model_len: 4096,
-            max_num_batched_tokens: Some(2048),
-            engine_version: "0.33.0".into(),
-        },
-        models: vec![MODEL.into()],
-        lora_adapters: vec!["sql-lora".into()],
-        tokenizer: None,
-        sidecar_version: "test".into(),
-        load_interval_ms: 100,
-    }
+    let mut h = common::hello(name, &format!("http://{name}:8000"), &[]);
+    h.engine.block_size = BS;
+    h.engine.prefix_caching = caching;
+    h.load_interval_ms = 100;
+    h
 }
 
+/// A Ready load with no prefix-cache history.
 fn load(running: u32, waiting: u32, kv: f32) -> Load {
     Load {
-        seq: 1,
-        sample_age_ms: 0,
-        phase: Phase::Ready,
-        cache_view: CacheView::Exact,
-        running,
-        waiting,
         kv_usage: kv,
-        unrouted: 0,
         prefix_cache_queries: 0,
         prefix_cache_hits: 0,
-        preemptions: 0,
-        prefill_tokens_per_s: None,
-        lora_running: vec![],
-        lora_waiting: vec![],
+        ..common::load(Phase::Ready, running, waiting)
     }
 }
 

@@ -55,32 +55,10 @@ async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        wait_for_signal().await;
+        kvsight_transport::signal::termination().await;
         tracing::info!("termination signal: draining");
         signals.cancel();
     });
     run(Listeners { http }, config, shutdown).await?;
     Ok(())
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

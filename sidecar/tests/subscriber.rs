@@ -59,23 +59,7 @@ impl Workload {
                     let i = (self.rand() as usize) % self.resident.len();
                     Some(self.resident[i])
                 };
-                let n = 1 + self.rand() % 3;
-                let hashes: Vec<u64> = (0..n)
-                    .map(|_| {
-                        self.next_hash += 1;
-                        self.next_hash
-                    })
-                    .collect();
-                let tokens: Vec<u32> = (0..n as u32 * B)
-                    .map(|_| (self.rand() % 50_000) as u32)
-                    .collect();
-                self.resident.extend(&hashes);
-                events.push(KvEvent::BlockStored(BlockStored::new(
-                    hashes.into_iter().map(BlockHash::Int).collect(),
-                    parent.map(BlockHash::Int),
-                    tokens,
-                    B,
-                )));
+                events.push(self.chain(parent));
             } else {
                 let i = (self.rand() as usize) % self.resident.len();
                 let h = self.resident.swap_remove(i);
@@ -85,6 +69,27 @@ impl Workload {
             }
         }
         EventBatch::new(1.0, events)
+    }
+
+    /// Stores a chain of 1 to 3 new blocks under `parent` (a new root without one).
+    fn chain(&mut self, parent: Option<u64>) -> KvEvent {
+        let n = 1 + self.rand() % 3;
+        let hashes: Vec<u64> = (0..n)
+            .map(|_| {
+                self.next_hash += 1;
+                self.next_hash
+            })
+            .collect();
+        let tokens: Vec<u32> = (0..n as u32 * B)
+            .map(|_| (self.rand() % 50_000) as u32)
+            .collect();
+        self.resident.extend(&hashes);
+        KvEvent::BlockStored(BlockStored::new(
+            hashes.into_iter().map(BlockHash::Int).collect(),
+            parent.map(BlockHash::Int),
+            tokens,
+            B,
+        ))
     }
 
     fn clear(&mut self) -> EventBatch {
@@ -319,26 +324,7 @@ impl Workload {
 
     /// A batch of new chains (no parents), so it can be placed even after lost history.
     fn batch_roots_only(&mut self) -> EventBatch {
-        let n = 1 + self.rand() % 3;
-        let hashes: Vec<u64> = (0..n)
-            .map(|_| {
-                self.next_hash += 1;
-                self.next_hash
-            })
-            .collect();
-        let tokens: Vec<u32> = (0..n as u32 * B)
-            .map(|_| (self.rand() % 50_000) as u32)
-            .collect();
-        self.resident.extend(&hashes);
-        EventBatch::new(
-            1.0,
-            vec![KvEvent::BlockStored(BlockStored::new(
-                hashes.into_iter().map(BlockHash::Int).collect(),
-                None,
-                tokens,
-                B,
-            ))],
-        )
+        EventBatch::new(1.0, vec![self.chain(None)])
     }
 }
 

@@ -22,23 +22,12 @@ use std::time::{Duration, Instant};
 
 use kvsight_testbed::cluster::{
     BlindMode, BlindRouter, Cluster, ClusterConfig, L4Balancer, PodCounters, PodSpec, Routed, WAIT,
-    eventually, post_json,
+    eventually, own_tokenizer_or_skip, post_json,
 };
 use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
 
 const MODEL: &str = "scenario-model";
-
-/// The own-tokenizer check every scenario begins with.
-fn skipped(test: &str) -> bool {
-    match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(_) => false,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            true
-        }
-    }
-}
 
 /// An engine without compile stalls (the pods skip warm-up, and a stall would add a random
 /// half second to whichever request first hits a new batch shape).
@@ -66,17 +55,22 @@ fn config(pods: Vec<PodSpec>) -> ClusterConfig {
     cfg
 }
 
-/// Sum of a router metric's samples whose labels include every `(key, value)` of `labels`.
-async fn router_metric(cluster: &Cluster, r: usize, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let text = cluster
+/// The body of `GET path` on router `r`.
+async fn router_get(cluster: &Cluster, r: usize, path: &str) -> String {
+    cluster
         .http
-        .get(format!("{}/metrics", cluster.routers[r].url()))
+        .get(format!("{}{path}", cluster.routers[r].url()))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Sum of a router metric's samples whose labels include every `(key, value)` of `labels`.
+async fn router_metric(cluster: &Cluster, r: usize, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = router_get(cluster, r, "/metrics").await;
     kvsight_sidecar::scrape::samples(&text)
         .unwrap()
         .iter()
@@ -99,17 +93,14 @@ async fn requests_since(cluster: &Cluster, before: &[PodCounters]) -> Vec<f64> {
         .collect()
 }
 
-/// Waits until the router has the model's tokenizer (exact prefix mode and exact prompt lengths).
-async fn wait_exact_mode(cluster: &Cluster) {
-    for r in &cluster.routers {
-        let state = Arc::clone(&r.state);
-        eventually("the router to load the model's tokenizer", WAIT, || {
-            let has = state.tokenizers.get(MODEL).is_some();
-            async move { has }
-        })
-        .await
-        .unwrap();
-    }
+/// Starts a cluster and returns once every pod is routable and every router routes in exact
+/// mode.
+async fn start(cfg: ClusterConfig) -> Cluster {
+    let cluster = Cluster::start(cfg).await.unwrap();
+    cluster.wait_all_routable(WAIT).await.unwrap();
+    // Exact prefix mode and exact prompt lengths.
+    cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
+    cluster
 }
 
 /// Prompt tokens of `text` as a completion (special tokens added), by the router's `/tokenize`.
@@ -207,7 +198,11 @@ const WAITED: Duration = Duration::from_millis(200);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_short_pools_fall_back_once_and_keep_short_requests_off_long_prefills() {
-    if skipped("long_short_pools_fall_back_once_and_keep_short_requests_off_long_prefills") {
+    if own_tokenizer_or_skip(
+        "long_short_pools_fall_back_once_and_keep_short_requests_off_long_prefills",
+    )
+    .is_none()
+    {
         return;
     }
     let started = Instant::now();
@@ -222,9 +217,7 @@ async fn long_short_pools_fall_back_once_and_keep_short_requests_off_long_prefil
         pod("pod-1", slow_prefill(4096, 1)).label("pool", "long"),
     ]);
     cfg.router_yaml = POOLS_YAML.to_owned();
-    let mut cluster = Cluster::start(cfg).await.unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
-    wait_exact_mode(&cluster).await;
+    let mut cluster = start(cfg).await;
     let long_key = cluster.pods[1].key();
 
     let over_short = long_prompt(1, 2);
@@ -447,7 +440,9 @@ const SLOW_MAX_TOKENS: u32 = 1000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_deadline_cuts_streams_and_answers_504_without_resending() {
-    if skipped("request_deadline_cuts_streams_and_answers_504_without_resending") {
+    if own_tokenizer_or_skip("request_deadline_cuts_streams_and_answers_504_without_resending")
+        .is_none()
+    {
         return;
     }
     let started = Instant::now();
@@ -457,9 +452,7 @@ async fn request_deadline_cuts_streams_and_answers_504_without_resending() {
         pod("pod-1", engine(4096, 1.0, 1)),
     ]);
     cfg.router_yaml = format!("timeouts: {{requestSeconds: {}}}\n", DEADLINE.as_secs_f64());
-    let cluster = Cluster::start(cfg).await.unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
-    wait_exact_mode(&cluster).await;
+    let cluster = start(cfg).await;
     let before = cluster.all_counters().await.unwrap();
 
     let body = |prompt: &str, stream: bool| json!({"model": MODEL, "prompt": prompt, "max_tokens": SLOW_MAX_TOKENS, "stream": stream});
@@ -647,18 +640,15 @@ impl OneConnection {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_client_reaches_a_pod_added_while_it_sends() {
-    if skipped("keep_alive_client_reaches_a_pod_added_while_it_sends") {
+    if own_tokenizer_or_skip("keep_alive_client_reaches_a_pod_added_while_it_sends").is_none() {
         return;
     }
     let started = Instant::now();
-    let mut cluster = Cluster::start(config(vec![
+    let mut cluster = start(config(vec![
         pod("pod-0", engine(4096, 0.1, 0)),
         pod("pod-1", engine(4096, 0.1, 1)),
     ]))
-    .await
-    .unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
-    wait_exact_mode(&cluster).await;
+    .await;
 
     let mut client = OneConnection::connect(cluster.routers[0].http_addr).await;
     let stop = Arc::new(AtomicBool::new(false));
@@ -796,15 +786,7 @@ const PROBES: usize = 6;
 
 /// Pod key → `load.running` as router `r` reports it on `/debug/pods`.
 async fn debug_running(cluster: &Cluster, r: usize) -> Vec<(String, u64)> {
-    let text = cluster
-        .http
-        .get(format!("{}/debug/pods", cluster.routers[r].url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = router_get(cluster, r, "/debug/pods").await;
     let v: Value = serde_json::from_str(&text).unwrap();
     v["pods"]
         .as_array()
@@ -821,7 +803,7 @@ async fn debug_running(cluster: &Cluster, r: usize) -> Vec<(String, u64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_router_sees_first_routers_load_and_routes_away() {
-    if skipped("second_router_sees_first_routers_load_and_routes_away") {
+    if own_tokenizer_or_skip("second_router_sees_first_routers_load_and_routes_away").is_none() {
         return;
     }
     let started = Instant::now();
@@ -831,9 +813,7 @@ async fn second_router_sees_first_routers_load_and_routes_away() {
     ]);
     cfg.routers = 2;
     let report_interval = cfg.scrape_interval;
-    let cluster = Cluster::start(cfg).await.unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
-    wait_exact_mode(&cluster).await;
+    let cluster = start(cfg).await;
 
     // Both replicas hold the same pods, all Ready.
     let keys = |r: usize| {

@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use kvsight_protocol::messages::Phase;
 use kvsight_testbed::cluster::{
     BlindMode, BlindRouter, Cluster, ClusterConfig, PodCounters, PodSpec, Routed, WAIT, Warmup,
-    eventually,
+    eventually, own_tokenizer_or_skip,
 };
-use kvsight_testbed::sim::engine::EngineConfig;
+use kvsight_testbed::sim::engine::{EngineConfig, EngineConfigBuilder};
 use kvsight_testbed::sim::server::{SimConfig, SimPod};
 use serde_json::json;
 
@@ -63,7 +63,7 @@ fn token_ids(seed: u64, len: usize) -> Vec<u32> {
         .collect()
 }
 
-fn engine(b: kvsight_testbed::sim::engine::EngineConfigBuilder) -> EngineConfig {
+fn engine(b: EngineConfigBuilder) -> EngineConfig {
     b.build().expect("a valid engine config")
 }
 
@@ -73,6 +73,27 @@ fn config(pods: Vec<PodSpec>) -> ClusterConfig {
     let mut c = ClusterConfig::new(pods);
     c.scrape_interval = Duration::from_millis(200);
     c
+}
+
+/// `pod-0` and `pod-1`, their engines `configure`d, without compile stalls and seeded by index.
+fn two_pods(configure: impl Fn(EngineConfigBuilder) -> EngineConfigBuilder) -> Vec<PodSpec> {
+    (0..2)
+        .map(|i| {
+            let e = engine(
+                configure(EngineConfig::builder())
+                    .compile_stall(Duration::ZERO)
+                    .seed(i),
+            );
+            PodSpec::new(&format!("pod-{i}"), MODEL, e).unwrap()
+        })
+        .collect()
+}
+
+/// Starts a cluster and returns once every pod is routable.
+async fn start(cfg: ClusterConfig) -> Cluster {
+    let cluster = Cluster::start(cfg).await.unwrap();
+    cluster.wait_all_routable(WAIT).await.unwrap();
+    cluster
 }
 
 /// How router 0 sees a pod now, for failure messages.
@@ -102,27 +123,14 @@ fn assert_ok(r: &Routed, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_load_bypassing_the_router_sends_new_work_elsewhere() {
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
-        eprintln!("skipped: exec_load_bypassing_the_router_sends_new_work_elsewhere: {e}");
+    if own_tokenizer_or_skip("exec_load_bypassing_the_router_sends_new_work_elsewhere").is_none() {
         return;
     }
     const SLOTS: usize = 4;
     // Unscaled 10 ms decode steps: the hidden generations below last about 6 s, long enough for
     // both the kvsight and the blind half to run while pod 0 is full.
     const HIDDEN_TOKENS: u64 = 560;
-    let specs = (0..2)
-        .map(|i| {
-            let e = engine(
-                EngineConfig::builder()
-                    .max_num_seqs(SLOTS)
-                    .compile_stall(Duration::ZERO)
-                    .seed(i),
-            );
-            PodSpec::new(&format!("pod-{i}"), MODEL, e).unwrap()
-        })
-        .collect();
-    let cluster = Cluster::start(config(specs)).await.unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
+    let cluster = start(config(two_pods(|b| b.max_num_seqs(SLOTS)))).await;
     let a = cluster.pods[0].key();
     let b = cluster.pods[1].key();
     cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
@@ -227,8 +235,9 @@ async fn exec_load_bypassing_the_router_sends_new_work_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cold_pod_gets_no_user_until_warm_while_blind_users_hit_the_stall() {
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
-        eprintln!("skipped: cold_pod_gets_no_user_until_warm_while_blind_users_hit_the_stall: {e}");
+    if own_tokenizer_or_skip("cold_pod_gets_no_user_until_warm_while_blind_users_hit_the_stall")
+        .is_none()
+    {
         return;
     }
     // Every step runs at a tenth of its cost; a first-seen shape bucket stalls 1.5 s of real time.
@@ -250,10 +259,7 @@ async fn cold_pod_gets_no_user_until_warm_while_blind_users_hit_the_stall() {
             .time_scale(SCALE)
             .compile_stall(Duration::ZERO),
     );
-    let mut cluster = Cluster::start(config(vec![PodSpec::new("pod-0", MODEL, warm).unwrap()]))
-        .await
-        .unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
+    let mut cluster = start(config(vec![PodSpec::new("pod-0", MODEL, warm).unwrap()])).await;
     let warm_key = cluster.pods[0].key();
     // Distinct from the first block on, so no prefix-cache hit shrinks a prefill into a new
     // (stalling) bucket.
@@ -370,10 +376,9 @@ const AFFINITY_WEIGHTS: &str = "{prefix: 10, queue: 0, kvCache: 0, runningReques
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_prompts_kv_filter_avoids_the_preemptions_prefix_affinity_causes() {
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
-        eprintln!(
-            "skipped: long_prompts_kv_filter_avoids_the_preemptions_prefix_affinity_causes: {e}"
-        );
+    if own_tokenizer_or_skip("long_prompts_kv_filter_avoids_the_preemptions_prefix_affinity_causes")
+        .is_none()
+    {
         return;
     }
     // 256 usable blocks of 16 tokens per pod. Each prompt: 20 shared prefix blocks + 36 own
@@ -387,21 +392,13 @@ async fn long_prompts_kv_filter_avoids_the_preemptions_prefix_affinity_causes() 
     const OUTPUT: usize = 128;
     const N: u64 = 6;
     const SLOTS: usize = 8;
-    let specs = (0..2)
-        .map(|i| {
-            let e = engine(
-                EngineConfig::builder()
-                    .num_gpu_blocks(BLOCKS)
-                    .max_num_seqs(SLOTS)
-                    // Decoding the 128 tokens takes about 0.7 s: a burst that reached the pod
-                    // spread over less than that is concurrent there.
-                    .time_scale(0.5)
-                    .compile_stall(Duration::ZERO)
-                    .seed(i),
-            );
-            PodSpec::new(&format!("pod-{i}"), MODEL, e).unwrap()
-        })
-        .collect();
+    let specs = two_pods(|b| {
+        b.num_gpu_blocks(BLOCKS)
+            .max_num_seqs(SLOTS)
+            // Decoding the 128 tokens takes about 0.7 s: a burst that reached the pod spread
+            // over less than that is concurrent there.
+            .time_scale(0.5)
+    });
     let kvsight_yaml = format!("scheduler:\n  weights: {AFFINITY_WEIGHTS}\n");
     let affinity_yaml = format!(
         "scheduler:\n  weights: {AFFINITY_WEIGHTS}\n  saturation: {{maxWaiting: 1000, \
@@ -409,8 +406,7 @@ async fn long_prompts_kv_filter_avoids_the_preemptions_prefix_affinity_causes() 
     );
     let mut cfg = config(specs);
     cfg.router_yaml = kvsight_yaml;
-    let mut cluster = Cluster::start(cfg).await.unwrap();
-    cluster.wait_all_routable(WAIT).await.unwrap();
+    let mut cluster = start(cfg).await;
 
     // One burst: N concurrent prompts sharing a prefix (distinct per burst, so the second burst
     // finds nothing of the first in any cache).
@@ -505,28 +501,15 @@ async fn long_prompts_kv_filter_avoids_the_preemptions_prefix_affinity_causes() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_caching_off_spreads_what_caching_pods_concentrate() {
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
-        eprintln!("skipped: prefix_caching_off_spreads_what_caching_pods_concentrate: {e}");
+    if own_tokenizer_or_skip("prefix_caching_off_spreads_what_caching_pods_concentrate").is_none() {
         return;
     }
     const BATCH: usize = 12;
     // Per pod: requests its engine finished during the batch; and whether every decision said
     // least-request scoring.
     async fn run(caching: bool) -> (Vec<f64>, bool) {
-        let specs = (0..2)
-            .map(|i| {
-                let e = engine(
-                    EngineConfig::builder()
-                        .enable_prefix_caching(caching)
-                        .time_scale(0.1)
-                        .compile_stall(Duration::ZERO)
-                        .seed(i),
-                );
-                PodSpec::new(&format!("pod-{i}"), MODEL, e).unwrap()
-            })
-            .collect();
-        let cluster = Cluster::start(config(specs)).await.unwrap();
-        cluster.wait_all_routable(WAIT).await.unwrap();
+        let specs = two_pods(|b| b.enable_prefix_caching(caching).time_scale(0.1));
+        let cluster = start(config(specs)).await;
         cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
         let before = cluster.all_counters().await.unwrap();
         let mut least_request = true;

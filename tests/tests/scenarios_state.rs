@@ -12,7 +12,9 @@
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
-use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, Routed, WAIT, eventually};
+use kvsight_testbed::cluster::{
+    Cluster, ClusterConfig, PodSpec, Routed, WAIT, eventually, own_tokenizer_or_skip,
+};
 use kvsight_testbed::demo::{preamble, unique_prompt};
 use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
@@ -22,7 +24,7 @@ const BLOCK: usize = 16;
 
 /// Small pools (127 usable blocks of 16) so a few unrelated prompts evict everything older; a
 /// fast clock; no compile stalls.
-fn pods(n: usize) -> Option<Vec<PodSpec>> {
+fn pods(n: usize) -> Vec<PodSpec> {
     (0..n)
         .map(|i| {
             let engine = EngineConfig::builder()
@@ -34,13 +36,7 @@ fn pods(n: usize) -> Option<Vec<PodSpec>> {
                 .seed(i as u64)
                 .build()
                 .unwrap();
-            match PodSpec::new(&format!("pod-{i}"), MODEL, engine) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    eprintln!("skipped: scenarios_state: {e}");
-                    None
-                }
-            }
+            PodSpec::new(&format!("pod-{i}"), MODEL, engine).unwrap()
         })
         .collect()
 }
@@ -53,8 +49,8 @@ fn completion(prompt: &str) -> Value {
     json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
 }
 
-async fn start(exact: bool, pending_ttl: f64) -> Option<Cluster> {
-    let mut cfg = ClusterConfig::new(pods(2)?);
+async fn start(exact: bool, pending_ttl: f64) -> Cluster {
+    let mut cfg = ClusterConfig::new(pods(2));
     cfg.router_tokenizers = exact;
     cfg.router_yaml = format!("scheduler:\n  pendingTtlSeconds: {pending_ttl}\n");
     let cluster = Cluster::start(cfg).await.unwrap();
@@ -62,7 +58,20 @@ async fn start(exact: bool, pending_ttl: f64) -> Option<Cluster> {
     if exact {
         cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
     }
-    Some(cluster)
+    cluster
+}
+
+/// Sends the first question through router 0; returns the key and index of the pod it went to,
+/// which from then on holds the shared preamble.
+async fn first_question(cluster: &Cluster) -> (String, usize) {
+    let first = cluster
+        .post(0, "/v1/completions", &completion(&question(0)))
+        .await
+        .unwrap();
+    assert_eq!(first.status, 200, "{}", first.text);
+    let a_key = first.pod.clone().unwrap();
+    let a = cluster.pod_index(&a_key).unwrap();
+    (a_key, a)
 }
 
 /// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).
@@ -119,18 +128,29 @@ fn predicted(r: &Routed) -> f64 {
         .unwrap()
 }
 
+/// Sends question `n` through router 0 and asserts that, after a restart of `restarted`, it still
+/// goes to pod `a`, which holds the preamble, with cached tokens predicted and (nearly all)
+/// found by the engine.
+async fn assert_prefix_still_goes_to(cluster: &Cluster, a: usize, n: usize, restarted: &str) {
+    let (r, pod, hits) = routed_with_hits(cluster, &question(n)).await;
+    assert_eq!(
+        pod, a,
+        "after a {restarted} restart the prefix still goes to A: {:?}",
+        r.decision
+    );
+    assert!(
+        predicted(&r) > 0.0 && hits >= predicted(&r) * 0.9,
+        "predicted {} hits {hits}",
+        predicted(&r)
+    );
+}
+
 /// One run of the eviction scenario; returns (prediction, engine hits) for the request sent
 /// after the eviction, and whether it went to the pod that had held the prefix.
-async fn eviction_run(exact: bool) -> Option<(f64, f64, bool)> {
+async fn eviction_run(exact: bool) -> (f64, f64, bool) {
     // The approximate router gets a long memory, as routers that keep their own prefix trees do.
-    let cluster = start(exact, if exact { 0.3 } else { 60.0 }).await?;
-    let first = cluster
-        .post(0, "/v1/completions", &completion(&question(0)))
-        .await
-        .unwrap();
-    assert_eq!(first.status, 200, "{}", first.text);
-    let a_key = first.pod.clone().unwrap();
-    let a = cluster.pod_index(&a_key).unwrap();
+    let cluster = start(exact, if exact { 0.3 } else { 60.0 }).await;
+    let (a_key, a) = first_question(&cluster).await;
     let (second, _, hits) = routed_with_hits(&cluster, &question(1)).await;
     assert_eq!(
         second.pod.as_deref(),
@@ -189,17 +209,20 @@ async fn eviction_run(exact: bool) -> Option<(f64, f64, bool)> {
         pod == a
     );
     cluster.shutdown().await;
-    Some((p, hits, pod == a))
+    (p, hits, pod == a)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_truth_kvsight_stops_crediting_the_evicted_pod_approximate_memory_does_not() {
-    let Some((exact_predicted, exact_hits, _)) = eviction_run(true).await else {
+    if own_tokenizer_or_skip(
+        "eviction_truth_kvsight_stops_crediting_the_evicted_pod_approximate_memory_does_not",
+    )
+    .is_none()
+    {
         return;
-    };
-    let Some((approx_predicted, approx_hits, approx_chose_a)) = eviction_run(false).await else {
-        return;
-    };
+    }
+    let (exact_predicted, exact_hits, _) = eviction_run(true).await;
+    let (approx_predicted, approx_hits, approx_chose_a) = eviction_run(false).await;
     // kvsight: no pod holds the prefix any more, and it says so; the engine agrees.
     assert_eq!(
         exact_predicted, 0.0,
@@ -221,16 +244,11 @@ async fn eviction_truth_kvsight_stops_crediting_the_evicted_pod_approximate_memo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_of_router_sidecar_and_engine_leave_routing_true() {
-    let Some(mut cluster) = start(true, 0.3).await else {
+    if own_tokenizer_or_skip("restarts_of_router_sidecar_and_engine_leave_routing_true").is_none() {
         return;
-    };
-    let first = cluster
-        .post(0, "/v1/completions", &completion(&question(0)))
-        .await
-        .unwrap();
-    assert_eq!(first.status, 200, "{}", first.text);
-    let a_key = first.pod.clone().unwrap();
-    let a = cluster.pod_index(&a_key).unwrap();
+    }
+    let mut cluster = start(true, 0.3).await;
+    let (a_key, a) = first_question(&cluster).await;
     let chain = chain_of(&cluster, &question(1)).await;
     let held = chain.len() - 1; // every full block of the preamble, not the question's tail
     eventually("the router to see the prefix on A", WAIT, || {
@@ -260,17 +278,7 @@ async fn restarts_of_router_sidecar_and_engine_leave_routing_true() {
         "view rebuilt in {rebuilt:?}"
     );
     assert!(filter_run(&cluster, 0, &a_key, &chain) + 2 >= held);
-    let (r, pod, hits) = routed_with_hits(&cluster, &question(1)).await;
-    assert_eq!(
-        pod, a,
-        "after a router restart the prefix still goes to A: {:?}",
-        r.decision
-    );
-    assert!(
-        predicted(&r) > 0.0 && hits >= predicted(&r) * 0.9,
-        "predicted {} hits {hits}",
-        predicted(&r)
-    );
+    assert_prefix_still_goes_to(&cluster, a, 1, "router").await;
 
     // 2. Sidecar restart (drain, Goodbye, new process on the same port): its first snapshot
     //    already holds what the engine cached before it started.
@@ -280,17 +288,7 @@ async fn restarts_of_router_sidecar_and_engine_leave_routing_true() {
         filter_run(&cluster, 0, &a_key, &chain) + 2 >= held,
         "the new sidecar's first snapshot holds the engine's cache"
     );
-    let (r, pod, hits) = routed_with_hits(&cluster, &question(2)).await;
-    assert_eq!(
-        pod, a,
-        "after a sidecar restart the prefix still goes to A: {:?}",
-        r.decision
-    );
-    assert!(
-        predicted(&r) > 0.0 && hits >= predicted(&r) * 0.9,
-        "predicted {} hits {hits}",
-        predicted(&r)
-    );
+    assert_prefix_still_goes_to(&cluster, a, 2, "sidecar").await;
 
     // 3. Engine restart (new process, empty cache, same ports), idle afterwards: the sidecar
     //    notices from the engine's counters and the router stops crediting A at once.

@@ -25,6 +25,16 @@ fn engine(time_scale: f64) -> EngineConfig {
         .expect("engine config")
 }
 
+/// A pod without KV events.
+async fn pod(engine: EngineConfig) -> SimPodHandle {
+    SimPod::start(SimConfig {
+        engine,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("pod starts")
+}
+
 async fn pod_with_events(engine: EngineConfig) -> (SimPodHandle, Subscriber) {
     let pod = SimPod::start(SimConfig {
         engine,
@@ -136,14 +146,7 @@ async fn kv_events_reach_a_subscriber_and_replay() -> anyhow::Result<()> {
     assert_eq!(f.seq, last_seq + 1);
     assert_eq!(events(&f.payload)[0].0, "AllBlocksCleared");
 
-    let replayed = client::replay(
-        pod.replay_endpoint().expect("replay"),
-        0,
-        ReplayLayout::New,
-        WAIT,
-        1000,
-    )
-    .await?;
+    let replayed = replay_from_zero(pod.replay_endpoint().expect("replay"), 1000).await?;
     assert_eq!(replayed.len() as u64, f.seq + 1);
     assert_eq!(replayed[0].seq, 0);
     Ok(())
@@ -158,14 +161,7 @@ async fn dropped_and_restarted_kv_sequences() -> anyhow::Result<()> {
     complete(&pod, &(1000..1040).collect::<Vec<u32>>(), 1).await;
     let f = sub.recv(WAIT).await?;
     assert_eq!(f.seq, 1);
-    let replayed = client::replay(
-        pod.replay_endpoint().expect("replay"),
-        0,
-        ReplayLayout::New,
-        WAIT,
-        100,
-    )
-    .await?;
+    let replayed = replay_from_zero(pod.replay_endpoint().expect("replay"), 100).await?;
     assert_eq!(replayed.first().map(|r| r.seq), Some(0));
 
     // A restart: the next batch is seq 0 again, with no epoch, as vLLM does.
@@ -183,6 +179,14 @@ async fn dropped_and_restarted_kv_sequences() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Everything the pod's replay socket still holds from seq 0 on, at most `max` batches.
+async fn replay_from_zero(
+    endpoint: &str,
+    max: usize,
+) -> Result<Vec<client::Frames>, client::ClientError> {
+    client::replay(endpoint, 0, ReplayLayout::New, WAIT, max).await
+}
+
 /// Polls `/metrics` until `pred` holds; bounded.
 async fn wait_metrics(pod: &SimPodHandle, pred: impl Fn(&str) -> bool) -> String {
     for _ in 0..400 {
@@ -198,14 +202,16 @@ async fn wait_metrics(pod: &SimPodHandle, pred: impl Fn(&str) -> bool) -> String
     panic!("metrics condition never held");
 }
 
-#[tokio::test]
-async fn dead_engine_fails_streams_and_health() -> anyhow::Result<()> {
-    // Real-time 10 ms steps: a 2 000-token generation is still running when the engine dies.
-    let pod = SimPod::start(SimConfig {
-        engine: engine(1.0),
-        ..SimConfig::default()
-    })
-    .await?;
+/// Polls `/metrics` until the gauge `name` reads `value`; bounded.
+async fn wait_gauge(pod: &SimPodHandle, name: &str, value: f64) -> String {
+    wait_metrics(pod, |m| metric(m, name) == Some(value)).await
+}
+
+/// Starts a 2 000-token streamed completion on `pod` and returns once the engine runs it (at
+/// real-time 10 ms steps it is still running seconds later).
+async fn running_long_stream(
+    pod: &SimPodHandle,
+) -> tokio::task::JoinHandle<anyhow::Result<sim_support::Reply>> {
     let addr = pod.http_addr();
     let stream = tokio::spawn(async move {
         post_json(
@@ -215,10 +221,16 @@ async fn dead_engine_fails_streams_and_health() -> anyhow::Result<()> {
         )
         .await
     });
-    wait_metrics(&pod, |m| {
-        metric(m, "vllm:num_requests_running") == Some(1.0)
-    })
-    .await;
+    wait_gauge(pod, "vllm:num_requests_running", 1.0).await;
+    stream
+}
+
+#[tokio::test]
+async fn dead_engine_fails_streams_and_health() -> anyhow::Result<()> {
+    // Real-time 10 ms steps: a 2 000-token generation is still running when the engine dies.
+    let pod = pod(engine(1.0)).await;
+    let addr = pod.http_addr();
+    let stream = running_long_stream(&pod).await;
     pod.set_dead(true);
     let reply = tokio::time::timeout(WAIT, stream).await???;
     assert_eq!(reply.status, 200);
@@ -255,11 +267,7 @@ async fn dead_engine_fails_streams_and_health() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn hung_engine_holds_requests_until_released() -> anyhow::Result<()> {
-    let pod = SimPod::start(SimConfig {
-        engine: engine(0.001),
-        ..SimConfig::default()
-    })
-    .await?;
+    let pod = pod(engine(0.001)).await;
     let addr = pod.http_addr();
     pod.set_hung(true);
     let req = tokio::spawn(async move {
@@ -271,10 +279,7 @@ async fn hung_engine_holds_requests_until_released() -> anyhow::Result<()> {
         .await
     });
     // Submitted but never scheduled: it waits, and health still answers.
-    wait_metrics(&pod, |m| {
-        metric(m, "vllm:num_requests_waiting") == Some(1.0)
-    })
-    .await;
+    wait_gauge(&pod, "vllm:num_requests_waiting", 1.0).await;
     assert_eq!(get(addr, "/health").await?.status, 200);
     assert!(!req.is_finished());
     pod.set_hung(false);
@@ -285,11 +290,7 @@ async fn hung_engine_holds_requests_until_released() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn slowdown_stretches_latency() -> anyhow::Result<()> {
-    let pod = SimPod::start(SimConfig {
-        engine: engine(0.001),
-        ..SimConfig::default()
-    })
-    .await?;
+    let pod = pod(engine(0.001)).await;
     let e2e = |m: &str| metric(m, "vllm:e2e_request_latency_seconds_sum").unwrap_or(0.0);
     complete(&pod, &[1, 2, 3], 5).await;
     let fast = e2e(&get(pod.http_addr(), "/metrics").await?.text());
@@ -304,30 +305,11 @@ async fn slowdown_stretches_latency() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn client_disconnect_aborts_the_request() -> anyhow::Result<()> {
-    let pod = SimPod::start(SimConfig {
-        engine: engine(1.0),
-        ..SimConfig::default()
-    })
-    .await?;
-    let addr = pod.http_addr();
-    let client = tokio::spawn(async move {
-        post_json(
-            addr,
-            "/v1/completions",
-            &json!({"prompt": [1, 2, 3], "max_tokens": 2000, "stream": true}),
-        )
-        .await
-    });
-    wait_metrics(&pod, |m| {
-        metric(m, "vllm:num_requests_running") == Some(1.0)
-    })
-    .await;
+    let pod = pod(engine(1.0)).await;
+    let client = running_long_stream(&pod).await;
     // Dropping the task closes the connection mid-stream.
     client.abort();
-    let m = wait_metrics(&pod, |m| {
-        metric(m, "vllm:num_requests_running") == Some(0.0)
-    })
-    .await;
+    let m = wait_gauge(&pod, "vllm:num_requests_running", 0.0).await;
     assert!(
         m.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"vllm-sim\"} 1.0"),
         "{m}"
@@ -430,7 +412,7 @@ async fn restart_closes_every_socket_and_rebinds_the_same_ports() -> anyhow::Res
 
     // A new process: empty cache, not hung, seqs from 0, an empty replay buffer.
     assert_eq!(pod.resident_block_hashes().await, Some(Vec::new()));
-    let replayed = client::replay(&replay, 0, ReplayLayout::New, WAIT, 10).await?;
+    let replayed = replay_from_zero(&replay, 10).await?;
     assert!(replayed.is_empty(), "{replayed:?}");
     // The SUB notices the old connection's end only while it reads, so read while the new pod
     // waits for its resubscription and then serves a request.

@@ -30,21 +30,7 @@ async fn main() {
     if let Some(ep) = pod.replay_endpoint() {
         eprintln!("vllm-sim: KV replay on {ep}");
     }
-    wait_for_signal().await;
+    // The same signals the sidecar and router drain on.
+    kvsight_transport::signal::termination().await;
     pod.shutdown(std::time::Duration::from_secs(5)).await;
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }

@@ -65,6 +65,22 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
     move |source| ClusterError::Io { what, source }
 }
 
+/// The project's own tokenizer directory that every [`PodSpec`] serves, built on first use; or,
+/// when it cannot be built or loaded, `None` after printing `skipped: <test>: <why>`.
+///
+/// Scenario tests begin with it so a machine where the tokenizer cannot be trained (an
+/// unwritable target directory, say) reports a visible skip instead of failing inside a
+/// half-started cluster.
+pub fn own_tokenizer_or_skip(test: &str) -> Option<PathBuf> {
+    match crate::own_tokenizer::ensure_dir() {
+        Ok(dir) => Some(dir),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
 /// Polls `cond` every 10 ms until it holds or `within` passes; for state that has no change
 /// notification (another process's metrics, a registry behind a lock).
 pub async fn eventually<F, Fut>(
