@@ -14,22 +14,11 @@ use serde_json::{Value, json};
 use common::*;
 
 async fn post(url: &str, body: &Value) -> (u16, String) {
-    let resp = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .unwrap()
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let a = kvsight_testbed::cluster::post_json(&http, url, body)
         .await
         .unwrap();
-    let status = resp.status().as_u16();
-    let text = tokio::time::timeout(Duration::from_secs(20), resp.text())
-        .await
-        .unwrap()
-        .unwrap();
-    (status, text)
+    (a.status, a.text)
 }
 
 #[tokio::test]

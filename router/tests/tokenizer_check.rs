@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer, read_dir};
@@ -21,13 +19,7 @@ use common::*;
 /// The project's own tokenizer files, or `None` (the test says "skipped") when they cannot be
 /// built here.
 fn own_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
-    match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(dir) => Some(read_dir(&dir).unwrap()),
-        Err(e) => {
-            eprintln!("skipped: {test}: own tokenizer unavailable: {e}");
-            None
-        }
-    }
+    kvsight_testbed::cluster::own_tokenizer_or_skip(test).map(|dir| read_dir(&dir).unwrap())
 }
 
 async fn sim_with(files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles) -> SimPodHandle {
@@ -43,29 +35,20 @@ async fn sim_with(files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles) 
     .unwrap()
 }
 
+/// Status, body as JSON, and the `x-kvsight-decision` header's `prefix_mode`.
 async fn post(url: &str, body: &Value) -> (u16, Value, Option<String>) {
-    let resp = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .unwrap()
-        .post(url)
-        .header("content-type", "application/json")
-        .header("x-kvsight-debug", "1")
-        .body(body.to_string())
-        .send()
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let a = kvsight_testbed::cluster::post_json(&http, url, body)
         .await
         .unwrap();
-    let status = resp.status().as_u16();
-    let decision = resp
-        .headers()
-        .get("x-kvsight-decision")
-        .map(|v| v.to_str().unwrap().to_owned());
-    let text = tokio::time::timeout(Duration::from_secs(20), resp.text())
-        .await
-        .unwrap()
-        .unwrap();
-    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    (status, v, decision)
+    let mode = a
+        .decision
+        .map(|d| d["prefix_mode"].as_str().unwrap().to_owned());
+    (
+        a.status,
+        serde_json::from_str(&a.text).unwrap_or(Value::Null),
+        mode,
+    )
 }
 
 async fn metrics(router: &str) -> String {
@@ -75,13 +58,6 @@ async fn metrics(router: &str) -> String {
         .text()
         .await
         .unwrap()
-}
-
-fn prefix_mode(decision: &str) -> String {
-    serde_json::from_str::<Value>(decision).unwrap()["prefix_mode"]
-        .as_str()
-        .unwrap()
-        .to_owned()
 }
 
 fn with_tokenizer(
@@ -114,13 +90,13 @@ async fn the_engines_own_files_agree_and_keep_exact_mode() {
     );
 
     let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
-    let (s, _, decision) = post(
+    let (s, _, mode) = post(
         &format!("{router}/v1/completions"),
         &json!({"model": MODEL, "prompt": "Tell me a story", "max_tokens": 2}),
     )
     .await;
     assert_eq!(s, 200);
-    assert_eq!(prefix_mode(&decision.unwrap()), "exact");
+    assert_eq!(mode.unwrap(), "exact");
     let m = metrics(&router).await;
     assert!(
         m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="agrees"} 1"#),
@@ -166,13 +142,13 @@ async fn a_skewed_chat_template_is_caught_and_the_model_falls_back_to_approximat
     let (s, after, _) = post(&format!("{router}/tokenize"), &chat).await;
     assert_eq!(s, 200);
     assert_eq!(after["tokens"], engine["tokens"]);
-    let (s, _, decision) = post(
+    let (s, _, mode) = post(
         &format!("{router}/v1/chat/completions"),
         &json!({"model": MODEL, "messages": chat["messages"], "max_tokens": 2}),
     )
     .await;
     assert_eq!(s, 200);
-    assert_eq!(prefix_mode(&decision.unwrap()), "approximate");
+    assert_eq!(mode.unwrap(), "approximate");
 
     let (_, debug, _) = get_json(&format!("{router}/debug/pods")).await;
     assert_eq!(debug["tokenizers"][MODEL]["verdict"], "differs");
