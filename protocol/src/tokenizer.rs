@@ -20,6 +20,7 @@ use sha2::{Digest as _, Sha256};
 mod byte_level;
 mod config;
 mod conversation;
+mod sentencepiece;
 mod template;
 
 use byte_level::ByteLevelFastPath;
@@ -28,6 +29,7 @@ use config::{
     register_config_tokens, token_content,
 };
 use conversation::{conversation, cut_after_final_message};
+use sentencepiece::SentencePieceFastPath;
 use template::ChatTemplate;
 
 /// Everything that can go wrong building a tokenizer or rendering and encoding a prompt.
@@ -145,8 +147,8 @@ pub struct ChatExtras {
 #[derive(Clone, Debug)]
 pub struct ModelTokenizer {
     tokenizer: Arc<tokenizers::Tokenizer>,
-    /// Same ids as `tokenizer.encode`, faster, for byte-level BPE tokenizers.
-    fast_path: Option<Arc<ByteLevelFastPath>>,
+    /// Same ids as `tokenizer.encode`, faster, for the tokenizer shapes that have one.
+    fast_path: Option<Arc<FastPath>>,
     /// Lazily reported: a template minijinja cannot compile must not stop completions working.
     template: Result<Arc<ChatTemplate>, TokenizerError>,
     template_source: Option<String>,
@@ -155,6 +157,23 @@ pub struct ModelTokenizer {
     content_format: ContentFormat,
     inputs: Arc<Inputs>,
     digest: [u8; 32],
+}
+
+/// A faster road to `tokenizers`' ids for one tokenizer shape (each module says why it is exact).
+#[derive(Debug)]
+enum FastPath {
+    /// GPT-2-style byte-level BPE.
+    ByteLevel(ByteLevelFastPath),
+    /// Sentencepiece-style BPE (Llama 2, Mistral, Phi-3).
+    SentencePiece(SentencePieceFastPath),
+}
+
+impl FastPath {
+    fn detect(tokenizer: &tokenizers::Tokenizer) -> Option<Self> {
+        ByteLevelFastPath::detect(tokenizer)
+            .map(Self::ByteLevel)
+            .or_else(|| SentencePieceFastPath::detect(tokenizer).map(Self::SentencePiece))
+    }
 }
 
 /// The bytes the tokenizer was built from, kept so the digest can be recomputed on override.
@@ -211,7 +230,7 @@ impl ModelTokenizer {
         };
         let digest = inputs.digest();
         let mut this = Self {
-            fast_path: ByteLevelFastPath::detect(&tokenizer).map(Arc::new),
+            fast_path: FastPath::detect(&tokenizer).map(Arc::new),
             tokenizer: Arc::new(tokenizer),
             template: Err(TokenizerError::NoChatTemplate),
             template_source: None,
@@ -294,14 +313,29 @@ impl ModelTokenizer {
 
     /// Encodes text with or without the post-processor's special tokens.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        match &self.fast_path {
-            Some(fast) => fast.encode(&self.tokenizer, text, add_special_tokens),
+        match self.fast_path.as_deref() {
+            Some(FastPath::ByteLevel(fast)) => {
+                fast.encode(&self.tokenizer, text, add_special_tokens)
+            }
+            Some(FastPath::SentencePiece(fast)) => {
+                fast.encode(&self.tokenizer, text, add_special_tokens)
+            }
             None => self.encode_reference(text, add_special_tokens),
         }
     }
 
-    /// `tokenizers`' own full pipeline: what the fast path must equal.
-    fn encode_reference(
+    /// Which faster road [`encode`](Self::encode) takes to the same ids (`"byte_level"`,
+    /// `"sentencepiece"`), or `None` when it runs `tokenizers`' full pipeline.
+    pub fn fast_path(&self) -> Option<&'static str> {
+        self.fast_path.as_deref().map(|fast| match fast {
+            FastPath::ByteLevel(_) => "byte_level",
+            FastPath::SentencePiece(_) => "sentencepiece",
+        })
+    }
+
+    /// `tokenizers`' own full pipeline, never a fast path: what [`encode`](Self::encode) must
+    /// equal (public so tests outside the crate can compare them).
+    pub fn encode_reference(
         &self,
         text: &str,
         add_special_tokens: bool,
@@ -385,6 +419,27 @@ impl ModelTokenizer {
         let prompt = self.render_chat(messages, add_generation_prompt, extras)?;
         self.encode(&prompt, false)
     }
+}
+
+/// The post-processor's special tokens added to `ids` as `tokenizer.encode` adds them; token
+/// strings and offsets, which only `Encoding`'s other fields carry, are left empty.
+fn post_process(
+    tokenizer: &tokenizers::Tokenizer,
+    ids: Vec<u32>,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, TokenizerError> {
+    let tokens = ids
+        .into_iter()
+        .map(|id| tokenizers::Token::new(id, String::new(), (0, 0)))
+        .collect();
+    let encoding = tokenizer
+        .post_process(
+            tokenizers::Encoding::from_tokens(tokens, 0),
+            None,
+            add_special_tokens,
+        )
+        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+    Ok(encoding.get_ids().to_vec())
 }
 
 impl Inputs {

@@ -548,3 +548,168 @@ fn continue_final_message_cuts_after_the_last_content() {
         Err(TokenizerError::InvalidMessage { index: 1, .. })
     ));
 }
+
+/// Text the sentencepiece fast path must split exactly as `tokenizers` merges: runs of spaces
+/// at either end, tabs and newlines, "▁" written literally, letters of several scripts,
+/// combining marks, emoji (byte fallback), control and private-use characters, and Phi-3's
+/// added tokens (some strip the whitespace after them).
+const NASTY: &[&str] = &[
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n ",
+    "▁",
+    "▁▁",
+    " ▁",
+    "a",
+    "Hello",
+    "world",
+    "don't",
+    "3.14",
+    "12345",
+    "...",
+    "?!",
+    "é",
+    "e\u{301}",
+    "Straße",
+    "中文",
+    "日本語のテキスト",
+    "한국어",
+    "🙂",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "\u{0}",
+    "\u{7f}",
+    "\u{a0}",
+    "\u{200b}",
+    "\u{feff}",
+    "\u{e000}",
+    "\u{10fffd}",
+    "𝔘𝔫𝔦",
+    "<0x41>",
+    "<",
+    "|",
+    ">",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|system|>",
+    "<|endoftext|>",
+    "<s>",
+    "</s>",
+    "<unk>",
+];
+
+fn assert_fast_equals_reference(tok: &ModelTokenizer, text: &str) {
+    for add_special_tokens in [false, true] {
+        assert_eq!(
+            tok.encode(text, add_special_tokens).expect("fast"),
+            tok.encode_reference(text, add_special_tokens)
+                .expect("reference"),
+            "text {text:?}, add_special_tokens {add_special_tokens}"
+        );
+    }
+}
+
+#[test]
+fn phi3_takes_the_sentencepiece_fast_path_with_the_full_pipelines_ids() {
+    let Some(tok) = phi3("phi3_takes_the_sentencepiece_fast_path_with_the_full_pipelines_ids")
+    else {
+        return;
+    };
+    assert_eq!(tok.fast_path(), Some("sentencepiece"));
+    let fixed = [
+        "",
+        " ",
+        "   ",
+        "Hello",
+        " Hello",
+        "Hello ",
+        "  Hello  world  ",
+        "\tindented\n\tcode\n",
+        "line one\n\nline two\r\n",
+        "▁Hello▁ ▁world",
+        "naïve café e\u{301}te",
+        "中文 日本語 한국어",
+        "emoji 🙂👍🏽 👨‍👩‍👧",
+        "\u{0}\u{7f}\u{feff}\u{e000}\u{10fffd}",
+        "<|user|>\nHi<|end|>\n<|assistant|>\n",
+        "<|user|> \n  Hi  <|end|>  </s>  <s> x",
+        "text</s>text<s>text",
+        "<unk><|endoftext|>",
+        "<|notatoken|> <|user",
+    ];
+    for text in fixed {
+        assert_fast_equals_reference(&tok, text);
+    }
+    // Longer than the BPE cache's 256-byte words, with and without spaces to cut at.
+    assert_fast_equals_reference(&tok, &"中文字符".repeat(200));
+    assert_fast_equals_reference(&tok, &"word ".repeat(300));
+    let all: String = NASTY.concat();
+    assert_fast_equals_reference(&tok, &all.repeat(5));
+}
+
+#[test]
+fn phi3_fast_path_equals_the_full_pipeline_on_a_long_chat() {
+    let Some(tok) = phi3("phi3_fast_path_equals_the_full_pipeline_on_a_long_chat") else {
+        return;
+    };
+    let paragraph = "The capital of France is Paris.  It has   many museums;\tthe Louvre \
+                     is one.\nQ: 2+2? A: 4 — café, 東京, 🙂.\n\n";
+    let messages = vec![
+        ChatMessage::new("system", paragraph.repeat(20)),
+        ChatMessage::new("user", paragraph.repeat(15)),
+        ChatMessage::new("assistant", " leading and trailing spaces "),
+        ChatMessage::new("user", "<|end|> written by the user </s>"),
+    ];
+    let prompt = tok
+        .render_chat(&messages, true, &ChatExtras::default())
+        .expect("render");
+    let ids = tok
+        .encode_chat(&messages, true, &ChatExtras::default())
+        .expect("encode");
+    assert!(ids.len() > 1000, "a long chat: {} ids", ids.len());
+    assert_eq!(
+        ids,
+        tok.encode_reference(&prompt, false).expect("reference")
+    );
+}
+
+mod phi3_proptest {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn nasty_text() -> impl Strategy<Value = String> {
+        prop::collection::vec(prop::sample::select(NASTY), 0..40).prop_map(|f| f.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn phi3_fast_path_equals_the_full_pipeline(
+            text in prop_oneof![nasty_text(), any::<String>()],
+        ) {
+            thread_local! {
+                static TOK: Option<ModelTokenizer> =
+                    phi3("phi3_fast_path_equals_the_full_pipeline");
+            }
+            TOK.with(|tok| {
+                if let Some(tok) = tok {
+                    for add_special_tokens in [false, true] {
+                        prop_assert_eq!(
+                            tok.encode(&text, add_special_tokens).expect("fast"),
+                            tok.encode_reference(&text, add_special_tokens).expect("reference")
+                        );
+                    }
+                }
+                Ok(())
+            })?;
+        }
+    }
+}
