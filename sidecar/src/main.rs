@@ -48,6 +48,8 @@ fn main() -> ExitCode {
 }
 
 async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
+    // Handlers first: a SIGTERM right after the port is announced must drain, not kill.
+    let terminated = kvsight_transport::signal::termination();
     let http = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
@@ -55,7 +57,7 @@ async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        kvsight_transport::signal::termination().await;
+        terminated.await;
         tracing::info!("termination signal: draining");
         signals.cancel();
     });

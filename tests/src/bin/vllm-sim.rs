@@ -16,6 +16,8 @@ async fn main() {
             std::process::exit(EXIT_USAGE);
         }
     };
+    // Handlers before the pod starts: a SIGTERM right after "HTTP on" must shut down cleanly.
+    let terminated = kvsight_transport::signal::termination();
     let pod = match SimPod::start(config).await {
         Ok(pod) => pod,
         Err(e) => {
@@ -31,6 +33,6 @@ async fn main() {
         eprintln!("vllm-sim: KV replay on {ep}");
     }
     // The same signals the sidecar and router drain on.
-    kvsight_transport::signal::termination().await;
+    terminated.await;
     pod.shutdown(std::time::Duration::from_secs(5)).await;
 }
