@@ -3,9 +3,9 @@
 //! completion probe, before it is trusted for good.
 //!
 //! Why: the router's hashes match a pod's blocks only if its token ids are the engine's, id for
-//! id. The same `tokenizer.json` does not guarantee that: vLLM 0.33 ships transformers 5, which
-//! tokenizes some Llama-family models differently from the 4.x semantics the router follows, and
-//! a chat template or special-token setting can differ between the files a router was given and
+//! id. The same `tokenizer.json` does not guarantee that: an engine running transformers 5
+//! tokenizes sentencepiece-style Llama-family models differently from the 4.x semantics the
+//! router follows (and vLLM pins), and a chat template or special-token setting can differ between the files a router was given and
 //! the ones the engine loaded. A skewed tokenizer does not fail loudly: every prefix simply stops
 //! matching, and routing quietly degrades to load balancing. With a verdict of
 //! [`Verdict::Differs`] the model is routed in approximate mode instead (its own prefix memory,
