@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
@@ -45,6 +46,9 @@ struct Entry {
     digest: String,
     tok: Arc<dyn PromptTokenizer>,
     verdict: Verdict,
+    /// Checks that got no answer in a row, and when the next one may run.
+    failed_checks: u32,
+    next_check: Option<Instant>,
 }
 
 /// Whether a tokenizer gives the engine's own ids (`crate::tokenizer_check` asks a pod).
@@ -120,16 +124,39 @@ impl Tokenizers {
         out
     }
 
-    /// Every tokenizer not yet compared with an engine: (model, digest, tokenizer).
-    pub fn unchecked(&self) -> Vec<(String, String, Arc<dyn PromptTokenizer>)> {
+    /// Every tokenizer not yet compared with an engine and due for a check at `now`:
+    /// (model, digest, tokenizer).
+    pub fn unchecked(&self, now: Instant) -> Vec<(String, String, Arc<dyn PromptTokenizer>)> {
         let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<_> = map
             .iter()
-            .filter(|(_, e)| e.verdict == Verdict::Unchecked)
+            .filter(|(_, e)| {
+                e.verdict == Verdict::Unchecked && e.next_check.is_none_or(|t| t <= now)
+            })
             .map(|(m, e)| (m.clone(), e.digest.clone(), e.tok.clone()))
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
+    }
+
+    /// Notes a check that got no answer: the next waits `retry_after` doubled per failure in a
+    /// row, at most `max_wait` (a pod without `/tokenize` is not asked twice a second forever).
+    pub fn check_failed(
+        &self,
+        model: &str,
+        digest: &str,
+        now: Instant,
+        retry_after: Duration,
+        max_wait: Duration,
+    ) {
+        let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = map.get_mut(model).filter(|e| e.digest == digest) {
+            let wait = retry_after
+                .saturating_mul(1 << e.failed_checks.min(16))
+                .min(max_wait);
+            e.failed_checks += 1;
+            e.next_check = Some(now + wait);
+        }
     }
 
     /// Records a verdict, unless the model's tokenizer was replaced since it was checked.
@@ -153,6 +180,8 @@ impl Tokenizers {
                 digest,
                 tok,
                 verdict: Verdict::Unchecked,
+                failed_checks: 0,
+                next_check: None,
             },
         );
     }
@@ -415,5 +444,32 @@ mod tests {
         let a = prompt_text(&json!({"messages":[{"role":"system","content":"x"}]}), true);
         let b = prompt_text(&json!({"messages":[{"role":"user","content":"x"}]}), true);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_check_without_answer_waits_longer_each_time_and_new_files_start_afresh() {
+        let t = Tokenizers::default();
+        t.insert("m", "d1".into(), Arc::new(Bytes));
+        let t0 = Instant::now();
+        let (base, max) = (Duration::from_millis(500), Duration::from_secs(30));
+        let due = |at: Duration| t.unchecked(t0 + at).len();
+        assert_eq!(due(Duration::ZERO), 1);
+        t.check_failed("m", "d1", t0, base, max);
+        assert_eq!(due(Duration::from_millis(499)), 0);
+        assert_eq!(due(Duration::from_millis(500)), 1);
+        t.check_failed("m", "d1", t0, base, max);
+        assert_eq!(
+            due(Duration::from_millis(999)),
+            0,
+            "the second wait doubles"
+        );
+        for _ in 0..20 {
+            t.check_failed("m", "d1", t0, base, max);
+        }
+        assert_eq!(due(max), 1, "the wait never exceeds the cap");
+        // A failure noted for files since replaced does not delay the new ones.
+        t.insert("m", "d2".into(), Arc::new(Bytes));
+        t.check_failed("m", "d1", t0, base, max);
+        assert_eq!(due(Duration::ZERO), 1);
     }
 }

@@ -34,6 +34,10 @@ pub const CHECK_INTERVAL: Duration = Duration::from_millis(500);
 /// Time allowed for one pod's `/tokenize` answer.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Longest wait between checks of a tokenizer whose pods do not answer (the wait starts at
+/// [`CHECK_INTERVAL`] and doubles per failure in a row).
+pub const MAX_RETRY_WAIT: Duration = Duration::from_secs(30);
+
 /// A completion probe: text where tokenizer versions and settings are known to part ways —
 /// leading and repeated spaces, tabs and newlines, digits, punctuation runs, code, accents,
 /// CJK, emoji, and text that looks like special tokens.
@@ -72,17 +76,25 @@ pub async fn run(state: Arc<State>, stop: CancellationToken) {
 }
 
 /// Compares every unchecked tokenizer with a Ready pod serving its model and records the
-/// verdicts. A model without such a pod, or whose pod does not answer, stays unchecked (tried
-/// again next time). Returns how many verdicts were recorded.
+/// verdicts. A model without such a pod stays unchecked (tried again next time); one whose pod
+/// does not answer is tried again after a wait that doubles per failure in a row, up to
+/// [`MAX_RETRY_WAIT`]. Returns how many verdicts were recorded.
 pub async fn check_pending(state: &State) -> usize {
     let mut decided = 0;
-    for (model, digest, tok) in state.tokenizers.unchecked() {
+    for (model, digest, tok) in state.tokenizers.unchecked(Instant::now()) {
         let Some(url) = ready_pod(state, &model) else {
             continue;
         };
         let verdict = match compare(&state.client, &url, &model, tok.as_ref()).await {
             Ok(v) => v,
             Err(e) => {
+                state.tokenizers.check_failed(
+                    &model,
+                    &digest,
+                    Instant::now(),
+                    CHECK_INTERVAL,
+                    MAX_RETRY_WAIT,
+                );
                 state.metrics.tokenizer_check(&model, "error");
                 debug!(%model, %url, error = %e, "tokenizer check: no answer");
                 continue;

@@ -176,6 +176,9 @@ async fn a_pod_that_does_not_answer_leaves_the_verdict_open() {
     add_pod(&st, "gone", &refused_url(), &[], 0);
     assert_eq!(check_pending(&st).await, 0);
     assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Unchecked));
+    // Asked again only after a wait: a second pass right away sends nothing (the error count
+    // below stays 1).
+    assert_eq!(check_pending(&st).await, 0);
     assert!(st.tokenizers.get(MODEL).is_some(), "still used meanwhile");
     let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
     let m = metrics(&router).await;
