@@ -141,6 +141,7 @@ impl Tokenizers {
 
     /// Notes a check that got no answer: the next waits `retry_after` doubled per failure in a
     /// row, at most `max_wait` (a pod without `/tokenize` is not asked twice a second forever).
+    /// Returns the failures in a row so far (0 when the files were replaced meanwhile).
     pub fn check_failed(
         &self,
         model: &str,
@@ -148,15 +149,17 @@ impl Tokenizers {
         now: Instant,
         retry_after: Duration,
         max_wait: Duration,
-    ) {
+    ) -> u32 {
         let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(e) = map.get_mut(model).filter(|e| e.digest == digest) {
-            let wait = retry_after
-                .saturating_mul(1 << e.failed_checks.min(16))
-                .min(max_wait);
-            e.failed_checks += 1;
-            e.next_check = Some(now + wait);
-        }
+        let Some(e) = map.get_mut(model).filter(|e| e.digest == digest) else {
+            return 0;
+        };
+        let wait = retry_after
+            .saturating_mul(1 << e.failed_checks.min(16))
+            .min(max_wait);
+        e.failed_checks += 1;
+        e.next_check = Some(now + wait);
+        e.failed_checks
     }
 
     /// Records a verdict, unless the model's tokenizer was replaced since it was checked.
@@ -172,8 +175,13 @@ impl Tokenizers {
         self.loader.is_some()
     }
 
+    /// Adds or replaces the model's tokenizer. The same files again (two sidecars sending them
+    /// at once) keep the verdict they already have.
     pub fn insert(&self, model: &str, digest: String, tok: Arc<dyn PromptTokenizer>) {
         let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
+        if map.get(model).is_some_and(|e| e.digest == digest) {
+            return;
+        }
         map.insert(
             model.to_owned(),
             Entry {

@@ -25,7 +25,7 @@ use tracing::{debug, info, warn};
 use kvsight_protocol::Phase;
 
 use crate::state::State;
-use crate::tokenize::{PromptTokenizer, Verdict};
+use crate::tokenize::{PromptTokenizer, TokenizeError, Verdict};
 
 /// How often unchecked tokenizers are looked for: a new one waits at most this long once a pod
 /// serving its model is Ready. Cheap when there is nothing to check (one read lock).
@@ -45,18 +45,20 @@ const PROBE_TEXT: &str = " Hello  world!\tTabs,\n\nnewlines and   spaces — 123
     def f(x):\n    return x**2  # café, naïve, Ångström\n東京の天気は? 🚀🔥 </s> <|im_end|> [INST] \
     don't won't they'll 'quoted' \"double\" ...!!! ¿Qué? Привет мир";
 
-/// A chat probe: a system prompt, two turns and a pending user turn.
-fn probe_chat(model: &str) -> Value {
-    json!({
-        "model": model,
-        "messages": [
-            {"role": "system", "content": "You are a terse assistant.  Answer in one line."},
-            {"role": "user", "content": "What's 2+2? Reply with\n\n a digit."},
-            {"role": "assistant", "content": " 4"},
-            {"role": "user", "content": PROBE_TEXT},
-        ],
-        "add_generation_prompt": true,
-    })
+/// A chat probe: a system prompt (when `system`), two turns and a pending user turn.
+fn probe_chat(model: &str, system: bool) -> Value {
+    let mut messages = vec![
+        json!({"role": "user", "content": "What's 2+2? Reply with\n\n a digit."}),
+        json!({"role": "assistant", "content": " 4"}),
+        json!({"role": "user", "content": PROBE_TEXT}),
+    ];
+    if system {
+        messages.insert(
+            0,
+            json!({"role": "system", "content": "You are a terse assistant.  Answer in one line."}),
+        );
+    }
+    json!({"model": model, "messages": messages, "add_generation_prompt": true})
 }
 
 /// Runs [`check_pending`] every [`CHECK_INTERVAL`] until `stop` is cancelled.
@@ -88,7 +90,7 @@ pub async fn check_pending(state: &State) -> usize {
         let verdict = match compare(&state.client, &url, &model, tok.as_ref()).await {
             Ok(v) => v,
             Err(e) => {
-                state.tokenizers.check_failed(
+                let failures = state.tokenizers.check_failed(
                     &model,
                     &digest,
                     Instant::now(),
@@ -96,7 +98,12 @@ pub async fn check_pending(state: &State) -> usize {
                     MAX_RETRY_WAIT,
                 );
                 state.metrics.tokenizer_check(&model, "error");
-                debug!(%model, %url, error = %e, "tokenizer check: no answer");
+                // Said once per set of files; the retries that follow are counted, not logged.
+                if failures == 1 {
+                    warn!(%model, %url, error = %e, "tokenizer check: no answer, will retry");
+                } else {
+                    debug!(%model, %url, error = %e, failures, "tokenizer check: no answer");
+                }
                 continue;
             }
         };
@@ -128,38 +135,68 @@ fn ready_pod(state: &State, model: &str) -> Option<String> {
         .map(|p| p.hello.pod.url.clone())
 }
 
-/// The pod's ids against the tokenizer's for both probes.
+/// Why a pod gave no ids for a probe.
+enum ProbeError {
+    /// A 4xx: the engine rejects this request (a template without a system role, a model
+    /// without a chat template); another probe may still be compared.
+    Refused(String),
+    /// No answer, a 5xx or an unreadable one: try the whole check again later.
+    NoAnswer(String),
+}
+
+/// The pod's ids against the tokenizer's: a chat (with a system message, or without one when
+/// the engine's template refuses system roles; skipped when the engine refuses chat
+/// altogether) and a completion.
 async fn compare(
     client: &reqwest::Client,
     url: &str,
     model: &str,
     tok: &dyn PromptTokenizer,
 ) -> Result<Verdict, String> {
-    let chat = probe_chat(model);
-    let completion = json!({"model": model, "prompt": PROBE_TEXT});
-    for (kind, body) in [("chat", &chat), ("completion", &completion)] {
-        let engine = engine_ids(client, url, body).await?;
-        let ours = match kind {
-            "chat" => tok.encode_chat(body),
-            _ => tok.encode_completion(PROBE_TEXT),
-        };
-        let ours = match ours {
-            Ok(ids) => ids,
-            Err(e) => {
-                return Ok(Verdict::Differs(format!(
-                    "{kind}: the router cannot encode: {e}"
-                )));
+    let mut refusals = Vec::new();
+    for body in [probe_chat(model, true), probe_chat(model, false)] {
+        match engine_ids(client, url, &body).await {
+            Ok(engine) => {
+                if let Some(why) = judge(tok.encode_chat(&body), &engine) {
+                    return Ok(Verdict::Differs(format!("chat: {why}")));
+                }
+                refusals.clear();
+                break;
             }
-        };
-        if let Some(why) = difference(&ours, &engine) {
-            return Ok(Verdict::Differs(format!("{kind}: {why}")));
+            Err(ProbeError::Refused(why)) => refusals.push(why),
+            Err(ProbeError::NoAnswer(e)) => return Err(e),
         }
+    }
+    if !refusals.is_empty() {
+        warn!(%model, %url, refusals = ?refusals,
+              "tokenizer check: the engine refused the chat probes; comparing completions only");
+    }
+    let completion = json!({"model": model, "prompt": PROBE_TEXT});
+    let engine = match engine_ids(client, url, &completion).await {
+        Ok(ids) => ids,
+        Err(ProbeError::Refused(e) | ProbeError::NoAnswer(e)) => return Err(e),
+    };
+    if let Some(why) = judge(tok.encode_completion(PROBE_TEXT), &engine) {
+        return Ok(Verdict::Differs(format!("completion: {why}")));
     }
     Ok(Verdict::Agrees)
 }
 
+/// The difference between the router's encoding and the engine's ids, if any.
+fn judge(ours: Result<Vec<u32>, TokenizeError>, engine: &[u32]) -> Option<String> {
+    match ours {
+        Ok(ours) => difference(&ours, engine),
+        Err(e) => Some(format!("the router cannot encode what the engine did: {e}")),
+    }
+}
+
 /// vLLM's `/tokenize` answer's `tokens`.
-async fn engine_ids(client: &reqwest::Client, url: &str, body: &Value) -> Result<Vec<u32>, String> {
+async fn engine_ids(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> Result<Vec<u32>, ProbeError> {
+    let no_answer = |e: String| ProbeError::NoAnswer(e);
     let resp = client
         .post(format!("{}/tokenize", url.trim_end_matches('/')))
         .timeout(CHECK_TIMEOUT)
@@ -167,17 +204,23 @@ async fn engine_ids(client: &reqwest::Client, url: &str, body: &Value) -> Result
         .body(body.to_string())
         .send()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| no_answer(e.to_string()))?;
     let status = resp.status();
-    let text = resp.text().await.map_err(|e| e.to_string())?;
+    let text = resp.text().await.map_err(|e| no_answer(e.to_string()))?;
     if !status.is_success() {
-        return Err(format!(
+        let why = format!(
             "HTTP {status}: {}",
             text.chars().take(200).collect::<String>()
-        ));
+        );
+        return Err(if status.is_client_error() {
+            ProbeError::Refused(why)
+        } else {
+            ProbeError::NoAnswer(why)
+        });
     }
-    let v: Value = serde_json::from_str(&text).map_err(|e| format!("not JSON: {e}"))?;
-    serde_json::from_value(v["tokens"].clone()).map_err(|e| format!("no `tokens` list: {e}"))
+    let v: Value = serde_json::from_str(&text).map_err(|e| no_answer(format!("not JSON: {e}")))?;
+    serde_json::from_value(v["tokens"].clone())
+        .map_err(|e| no_answer(format!("no `tokens` list: {e}")))
 }
 
 /// Where two id lists part, in words; `None` when equal.

@@ -565,3 +565,19 @@ fn hashes_made_under_a_seed_the_pods_no_longer_imply_are_recomputed() {
     assert_eq!(d.pod, "ns/pod-1");
     assert_eq!(d.matched_blocks, 20);
 }
+
+/// Hashes are tied to the token list they were made from: given another prompt's hashes (same
+/// length, same seed), the pick hashes the request's own tokens.
+#[test]
+fn hashes_of_another_prompt_of_the_same_length_are_not_used() {
+    let mut c = Cluster::new(2, true);
+    let (a, b) = (prompt(5, 320), prompt(6, 320));
+    c.holds(0, &hash_chain(&ChainSeed::BASE, &a, BS as usize));
+    c.holds(1, &hash_chain(&ChainSeed::BASE, &b, BS as usize));
+    let ra = req(&a);
+    let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&c.reg, &ra), ra.tokens);
+    let d = sched(3.0)
+        .pick_prepared(&mut c.reg, &req(&b), &mut hashes, c.now)
+        .unwrap();
+    assert_eq!((d.pod.as_str(), d.matched_blocks), ("ns/pod-1", 20));
+}

@@ -113,13 +113,11 @@ async fn a_skewed_chat_template_is_caught_and_the_model_falls_back_to_approximat
     let sim = sim_with(&files).await;
     // The router was given a template one character off the engine's: a space where the
     // engine's has a newline after each role header (as template revisions differ).
-    let mut cfg: Value = serde_json::from_slice(files.tokenizer_config.as_ref().unwrap()).unwrap();
-    let template = cfg["chat_template"].as_str().unwrap();
-    let skewed = template.replace(r"'|>\n'", r"'|> '");
-    assert_ne!(skewed, template, "the fixture's template changed shape");
-    cfg["chat_template"] = Value::String(skewed);
-    let mut router_files = files.clone();
-    router_files.tokenizer_config = Some(serde_json::to_vec(&cfg).unwrap());
+    let router_files = with_template(&files, |t| {
+        let skewed = t.replace(r"'|>\n'", r"'|> '");
+        assert_ne!(skewed, t, "the fixture's template changed shape");
+        skewed
+    });
 
     let st = with_tokenizer(&router_files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
@@ -165,6 +163,54 @@ async fn a_skewed_chat_template_is_caught_and_the_model_falls_back_to_approximat
         .insert(MODEL, files.digest(), model_tokenizer(&files).unwrap());
     assert_eq!(check_pending(&st).await, 1);
     assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+}
+
+/// `files` with its chat template changed by `f`.
+fn with_template(
+    files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles,
+    f: impl Fn(&str) -> String,
+) -> kvsight_protocol::tokenizer_transfer::TokenizerFiles {
+    let mut cfg: Value = serde_json::from_slice(files.tokenizer_config.as_ref().unwrap()).unwrap();
+    let template = f(cfg["chat_template"].as_str().unwrap());
+    cfg["chat_template"] = Value::String(template);
+    let mut out = files.clone();
+    out.tokenizer_config = Some(serde_json::to_vec(&cfg).unwrap());
+    out
+}
+
+/// Templates that refuse a system role (Gemma's, say) make the engine answer 400 to a chat probe
+/// with one; the check retries without it instead of never reaching a verdict.
+#[tokio::test]
+async fn an_engine_whose_template_refuses_system_roles_is_still_checked() {
+    let test = "an_engine_whose_template_refuses_system_roles_is_still_checked";
+    let Some(own) = own_files(test) else {
+        return;
+    };
+    let files = with_template(&own, |t| {
+        format!(
+            "{{% for m in messages %}}{{% if m['role'] == 'system' %}}\
+             {{{{ raise_exception('System role not supported') }}}}{{% endif %}}{{% endfor %}}{t}"
+        )
+    });
+    let sim = sim_with(&files).await;
+    let system = json!({"model": MODEL, "messages": [{"role": "system", "content": "x"}]});
+    let (s, body, _) = post(&format!("{}/tokenize", sim.base_url()), &system).await;
+    assert_eq!(s, 400, "the engine refuses a system role: {body}");
+
+    let st = with_tokenizer(&files);
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
+    assert_eq!(check_pending(&st).await, 1);
+    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+
+    // And a skew in the rest of that template is still caught through the chat probe.
+    let skewed = with_template(&files, |t| t.replace(r"'|>\n'", r"'|> '"));
+    let st = with_tokenizer(&skewed);
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
+    assert_eq!(check_pending(&st).await, 1);
+    match st.tokenizers.verdict(MODEL) {
+        Some(Verdict::Differs(why)) => assert!(why.starts_with("chat: "), "{why}"),
+        other => panic!("expected a difference, got {other:?}"),
+    }
 }
 
 #[tokio::test]

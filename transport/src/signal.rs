@@ -8,7 +8,8 @@ use std::future::Future;
 /// Call it before binding or announcing a port: a signal that arrives before its handler is
 /// installed takes the default action and kills the process without a drain (an async fn would
 /// install only when first polled, after whatever the caller did in between). Must be called
-/// within a tokio runtime.
+/// within a tokio runtime. On Unix both handlers are installed by this call; only the fallbacks
+/// (neither could be installed, or not Unix) wait on `ctrl_c`, which installs when first polled.
 ///
 /// Lives here because the sidecar and the router are the two binaries and this is the one
 /// library both depend on; they must stop on exactly the same signals. When a handler cannot be

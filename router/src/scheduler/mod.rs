@@ -232,7 +232,7 @@ impl Scheduler {
     /// [`Self::pick`] with the prompt's hashes computed beforehand ([`Self::hash_plan`], then
     /// [`PromptHashes::new`], outside the registry lock). Whatever they lack — a pod with a new
     /// block size or filter shape joined in between — is computed here; hashes made for another
-    /// seed or prompt length are discarded.
+    /// seed or another token list than `req.tokens` are discarded.
     pub fn pick_prepared<'r>(
         &self,
         reg: &mut Registry,
@@ -286,11 +286,14 @@ impl Scheduler {
         rank: RankFn,
     ) -> Result<Decision, PickError> {
         let seed = Self::seed(reg, req);
-        let tokens = req.tokens.map_or(0, <[u32]>::len);
-        if m.seed != seed || m.tokens != tokens {
+        let same_tokens = match (m.tokens, req.tokens) {
+            (Some(a), Some(b)) => std::ptr::eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        if m.seed != seed || !same_tokens {
             *m = PromptHashes {
                 seed,
-                tokens,
+                tokens: req.tokens,
                 ..PromptHashes::default()
             };
         }
@@ -304,7 +307,9 @@ impl Scheduler {
         // Set when a pod that serves the model and is ready cannot hold the prompt.
         let mut too_long = false;
         let mut eligible: Vec<Candidate<'_>> = Vec::with_capacity(reg.len());
-        for pod in reg.pods() {
+        // Pods of other models never become candidates: building one would hash the prompt at
+        // their block size and prepare it for their filter shape, under the lock, for nothing.
+        for pod in reg.pods().filter(|p| p.serves(req.model)) {
             let cand = m.candidate(pod, req);
             // Filters run in order (serves, ready, window): failing the window means the pod
             // serves the model and is ready.
@@ -583,18 +588,20 @@ pub struct HashPlan<'s> {
 #[derive(Debug, Default)]
 pub struct PromptHashes<'s> {
     seed: ChainSeed<'s>,
-    /// Length of the token list the chains were hashed from.
-    tokens: usize,
+    /// The token list the chains were hashed from (compared by address: a pick given hashes of
+    /// another list, even an equal one, recomputes them).
+    tokens: Option<&'s [u32]>,
     chains: Vec<(u32, Vec<u64>)>,
     prepared: Vec<(u32, FilterParams, PreparedChain)>,
 }
 
 impl<'s> PromptHashes<'s> {
-    /// Hashes `tokens` for every shape in `plan`.
-    pub fn new(plan: &HashPlan<'s>, tokens: Option<&[u32]>) -> Self {
+    /// Hashes `tokens` for every shape in `plan`; a pick uses them for a request with this very
+    /// token list (the same slice) only.
+    pub fn new(plan: &HashPlan<'s>, tokens: Option<&'s [u32]>) -> Self {
         let mut h = PromptHashes {
             seed: plan.seed,
-            tokens: tokens.map_or(0, <[u32]>::len),
+            tokens,
             ..PromptHashes::default()
         };
         for &(bs, params) in &plan.shapes {
