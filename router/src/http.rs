@@ -156,7 +156,7 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
         .tokenizers
         .models()
         .into_iter()
-        .map(|(model, digest, verdict)| {
+        .map(|(model, digest, verdict, versions)| {
             let (v, why) = match verdict {
                 Verdict::Unchecked => ("unchecked", None),
                 Verdict::Agrees => ("agrees", None),
@@ -164,7 +164,8 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
             };
             (
                 model,
-                json!({"digest": digest, "verdict": v, "difference": why}),
+                json!({"digest": digest, "verdict": v, "difference": why,
+                       "agreed_engine_versions": versions}),
             )
         })
         .collect();

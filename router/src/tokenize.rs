@@ -46,9 +46,21 @@ struct Entry {
     digest: String,
     tok: Arc<dyn PromptTokenizer>,
     verdict: Verdict,
+    /// Engine versions whose pods agreed: a pod of another version (an engine upgraded in
+    /// place, with the same files) is asked again.
+    agreed_versions: Vec<String>,
     /// Checks that got no answer in a row, and when the next one may run.
     failed_checks: u32,
     next_check: Option<Instant>,
+}
+
+/// A tokenizer that may need a check: see [`Tokenizers::due`].
+pub struct Due {
+    pub model: String,
+    pub digest: String,
+    pub tok: Arc<dyn PromptTokenizer>,
+    /// Engine versions already agreed with; a pod of any other version is to be asked.
+    pub agreed_versions: Vec<String>,
 }
 
 /// Whether a tokenizer gives the engine's own ids (`crate::tokenizer_check` asks a pod).
@@ -113,29 +125,42 @@ impl Tokenizers {
         map.get(model).map(|e| e.verdict.clone())
     }
 
-    /// Every tokenizer: (model, digest, verdict), by model.
-    pub fn models(&self) -> Vec<(String, String, Verdict)> {
+    /// Every tokenizer: (model, digest, verdict, engine versions agreed with), by model.
+    pub fn models(&self) -> Vec<(String, String, Verdict, Vec<String>)> {
         let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<_> = map
             .iter()
-            .map(|(m, e)| (m.clone(), e.digest.clone(), e.verdict.clone()))
+            .map(|(m, e)| {
+                (
+                    m.clone(),
+                    e.digest.clone(),
+                    e.verdict.clone(),
+                    e.agreed_versions.clone(),
+                )
+            })
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
 
-    /// Every tokenizer not yet compared with an engine and due for a check at `now`:
-    /// (model, digest, tokenizer).
-    pub fn unchecked(&self, now: Instant) -> Vec<(String, String, Arc<dyn PromptTokenizer>)> {
+    /// Every tokenizer that may need a check at `now`: not judged different, and not waiting
+    /// out a failed check. Whether a pod is to be asked depends on the pods' engine versions
+    /// ([`Due::agreed_versions`]).
+    pub fn due(&self, now: Instant) -> Vec<Due> {
         let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<_> = map
+        let mut out: Vec<Due> = map
             .iter()
             .filter(|(_, e)| {
-                e.verdict == Verdict::Unchecked && e.next_check.is_none_or(|t| t <= now)
+                !matches!(e.verdict, Verdict::Differs(_)) && e.next_check.is_none_or(|t| t <= now)
             })
-            .map(|(m, e)| (m.clone(), e.digest.clone(), e.tok.clone()))
+            .map(|(m, e)| Due {
+                model: m.clone(),
+                digest: e.digest.clone(),
+                tok: e.tok.clone(),
+                agreed_versions: e.agreed_versions.clone(),
+            })
             .collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.sort_by(|a, b| a.model.cmp(&b.model));
         out
     }
 
@@ -162,10 +187,18 @@ impl Tokenizers {
         e.failed_checks
     }
 
-    /// Records a verdict, unless the model's tokenizer was replaced since it was checked.
-    pub fn set_verdict(&self, model: &str, digest: &str, verdict: Verdict) {
+    /// Records a verdict obtained from a pod of `engine_version`, unless the model's tokenizer
+    /// was replaced since it was checked. A difference is final for these files; an agreement
+    /// adds the version to those agreed with.
+    pub fn set_verdict(&self, model: &str, digest: &str, engine_version: &str, verdict: Verdict) {
         let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = map.get_mut(model).filter(|e| e.digest == digest) {
+            if verdict == Verdict::Agrees && !e.agreed_versions.iter().any(|v| v == engine_version)
+            {
+                e.agreed_versions.push(engine_version.to_owned());
+            }
+            e.failed_checks = 0;
+            e.next_check = None;
             e.verdict = verdict;
         }
     }
@@ -188,6 +221,7 @@ impl Tokenizers {
                 digest,
                 tok,
                 verdict: Verdict::Unchecked,
+                agreed_versions: Vec::new(),
                 failed_checks: 0,
                 next_check: None,
             },
@@ -460,7 +494,7 @@ mod tests {
         t.insert("m", "d1".into(), Arc::new(Bytes));
         let t0 = Instant::now();
         let (base, max) = (Duration::from_millis(500), Duration::from_secs(30));
-        let due = |at: Duration| t.unchecked(t0 + at).len();
+        let due = |at: Duration| t.due(t0 + at).len();
         assert_eq!(due(Duration::ZERO), 1);
         t.check_failed("m", "d1", t0, base, max);
         assert_eq!(due(Duration::from_millis(499)), 0);

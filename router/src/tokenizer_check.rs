@@ -25,7 +25,7 @@ use tracing::{debug, info, warn};
 use kvsight_protocol::Phase;
 
 use crate::state::State;
-use crate::tokenize::{PromptTokenizer, TokenizeError, Verdict};
+use crate::tokenize::{Due, PromptTokenizer, TokenizeError, Verdict};
 
 /// How often unchecked tokenizers are looked for: a new one waits at most this long once a pod
 /// serving its model is Ready. Cheap when there is nothing to check (one read lock).
@@ -77,14 +77,21 @@ pub async fn run(state: Arc<State>, stop: CancellationToken) {
     {}
 }
 
-/// Compares every unchecked tokenizer with a Ready pod serving its model and records the
-/// verdicts. A model without such a pod stays unchecked (tried again next time); one whose pod
-/// does not answer is tried again after a wait that doubles per failure in a row, up to
-/// [`MAX_RETRY_WAIT`]. Returns how many verdicts were recorded.
+/// Compares every tokenizer not yet checked — or checked only against other engine versions
+/// than a Ready pod serving its model now runs — with such a pod, and records the verdicts. A
+/// model without such a pod waits (tried again next time); one whose pod does not answer is
+/// tried again after a wait that doubles per failure in a row, up to [`MAX_RETRY_WAIT`].
+/// Returns how many verdicts were recorded.
 pub async fn check_pending(state: &State) -> usize {
     let mut decided = 0;
-    for (model, digest, tok) in state.tokenizers.unchecked(Instant::now()) {
-        let Some(url) = ready_pod(state, &model) else {
+    for due in state.tokenizers.due(Instant::now()) {
+        let Due {
+            model,
+            digest,
+            tok,
+            agreed_versions,
+        } = due;
+        let Some((url, version)) = pod_to_ask(state, &model, &agreed_versions) else {
             continue;
         };
         let verdict = match compare(&state.client, &url, &model, tok.as_ref()).await {
@@ -110,29 +117,38 @@ pub async fn check_pending(state: &State) -> usize {
         match &verdict {
             Verdict::Agrees => {
                 state.metrics.tokenizer_check(&model, "agrees");
-                info!(%model, %url, "tokenizer agrees with the engine");
+                info!(%model, %url, engine_version = %version, "tokenizer agrees with the engine");
             }
             Verdict::Differs(why) => {
                 state.metrics.tokenizer_check(&model, "differs");
-                warn!(%model, %url, difference = %why,
+                warn!(%model, %url, engine_version = %version, difference = %why,
                       "tokenizer differs from the engine's: routing this model in approximate mode");
             }
             Verdict::Unchecked => continue,
         }
-        state.tokenizers.set_verdict(&model, &digest, verdict);
+        state
+            .tokenizers
+            .set_verdict(&model, &digest, &version, verdict);
         decided += 1;
     }
     decided
 }
 
-/// The least busy Ready, fresh pod serving `model`.
-fn ready_pod(state: &State, model: &str) -> Option<String> {
+/// The least busy Ready, fresh pod serving `model` whose engine version is not among `agreed`:
+/// its URL and version.
+fn pod_to_ask(state: &State, model: &str, agreed: &[String]) -> Option<(String, String)> {
     let now = Instant::now();
     let reg = state.registry();
     reg.pods()
         .filter(|p| p.serves(model) && p.phase() == Phase::Ready && !p.is_stale(now))
+        .filter(|p| !agreed.contains(&p.hello.engine.engine_version))
         .min_by_key(|p| p.inflight)
-        .map(|p| p.hello.pod.url.clone())
+        .map(|p| {
+            (
+                p.hello.pod.url.clone(),
+                p.hello.engine.engine_version.clone(),
+            )
+        })
 }
 
 /// Why a pod gave no ids for a probe.

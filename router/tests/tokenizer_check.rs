@@ -213,6 +213,47 @@ async fn an_engine_whose_template_refuses_system_roles_is_still_checked() {
     }
 }
 
+/// An engine upgraded in place keeps the files the router checked, but may tokenize them
+/// differently: a Ready pod of an engine version not yet agreed with is asked again.
+#[tokio::test]
+async fn a_pod_of_a_new_engine_version_is_asked_again() {
+    let test = "a_pod_of_a_new_engine_version_is_asked_again";
+    let Some(files) = own_files(test) else {
+        return;
+    };
+    let old = sim_with(&files).await;
+    let st = with_tokenizer(&files);
+    add_pod(&st, "old", &old.base_url(), &[], 0);
+    assert_eq!(check_pending(&st).await, 1);
+    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+
+    // The upgraded engine renders the same template differently (a stand-in for a new
+    // transformers release): the same files, another version, other ids.
+    let new = sim_with(&with_template(&files, |t| t.replace(r"'|>\n'", r"'|> '"))).await;
+    let mut h = hello("new", &new.base_url(), &[]);
+    h.engine.engine_version = "0.34.0".into();
+    {
+        let mut reg = st.registry();
+        let (key, conn) = reg.register(h, std::time::Instant::now());
+        reg.apply_load(
+            &key,
+            conn,
+            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
+            std::time::Instant::now(),
+        )
+        .unwrap();
+    }
+    assert_eq!(check_pending(&st).await, 1);
+    match st.tokenizers.verdict(MODEL) {
+        Some(Verdict::Differs(why)) => assert!(why.starts_with("chat: "), "{why}"),
+        other => panic!("expected a difference, got {other:?}"),
+    }
+    assert!(
+        st.tokenizers.get(MODEL).is_none(),
+        "approximate mode for the mixed fleet"
+    );
+}
+
 #[tokio::test]
 async fn a_pod_that_does_not_answer_leaves_the_verdict_open() {
     let Some(files) = own_files("a_pod_that_does_not_answer_leaves_the_verdict_open") else {
