@@ -258,6 +258,17 @@ impl BloomFilter {
         Ok(f)
     }
 
+    /// This filter as a snapshot message, the inverse of [`Self::from_snapshot`] (what a test or
+    /// bench hands a registry for a filter it built with [`Self::from_keys`]).
+    pub fn snapshot(&self) -> CacheSnapshot {
+        CacheSnapshot {
+            version: self.version,
+            params: self.params,
+            resident_blocks: self.resident_blocks,
+            bits: self.words().flat_map(u64::to_le_bytes).collect(),
+        }
+    }
+
     /// Replaces everything with a sidecar's snapshot.
     pub fn from_snapshot(snap: &CacheSnapshot) -> Result<Self, FilterError> {
         snap.params.check()?;

@@ -164,7 +164,7 @@ pub struct ModelTokenizer {
 enum FastPath {
     /// GPT-2-style byte-level BPE.
     ByteLevel(ByteLevelFastPath),
-    /// Sentencepiece-style BPE (Llama 2, Mistral, Phi-3).
+    /// Sentencepiece-style BPE (Phi-3; Llama 2 and Mistral share the shape, untested).
     SentencePiece(SentencePieceFastPath),
 }
 
@@ -315,10 +315,14 @@ impl ModelTokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         match self.fast_path.as_deref() {
             Some(FastPath::ByteLevel(fast)) => {
-                fast.encode(&self.tokenizer, text, add_special_tokens)
+                encode_by_words(&self.tokenizer, text, add_special_tokens, |split, emit| {
+                    fast.words(split, emit)
+                })
             }
             Some(FastPath::SentencePiece(fast)) => {
-                fast.encode(&self.tokenizer, text, add_special_tokens)
+                encode_by_words(&self.tokenizer, text, add_special_tokens, |split, emit| {
+                    fast.words(split, emit)
+                })
             }
             None => self.encode_reference(text, add_special_tokens),
         }
@@ -421,13 +425,39 @@ impl ModelTokenizer {
     }
 }
 
-/// The post-processor's special tokens added to `ids` as `tokenizer.encode` adds them; token
-/// strings and offsets, which only `Encoding`'s other fields carry, are left empty.
-fn post_process(
+/// Where a fast path's words go: each is merged by the BPE model.
+type WordSink<'a> = dyn FnMut(&str) -> Result<(), TokenizerError> + 'a;
+
+/// What both fast paths share; only how a text becomes words differs. Added tokens are split
+/// off by the crate's own `AddedVocabulary`; `words` cuts each text between them into words the
+/// BPE model can merge on their own, in the model's alphabet, and passes each to its sink; the
+/// model merges each word (through its cache); the post-processor adds the special tokens by
+/// id (token strings and offsets, which only `Encoding`'s other fields carry, are left empty).
+fn encode_by_words(
     tokenizer: &tokenizers::Tokenizer,
-    ids: Vec<u32>,
+    text: &str,
     add_special_tokens: bool,
+    mut words: impl FnMut(&str, &mut WordSink<'_>) -> Result<(), TokenizerError>,
 ) -> Result<Vec<u32>, TokenizerError> {
+    let encode_err = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
+    let splits = tokenizer
+        .get_added_vocabulary()
+        .extract_and_normalize(None::<&tokenizers::NormalizerWrapper>, text);
+    let model = tokenizer.get_model();
+    let mut ids: Vec<u32> = Vec::with_capacity(text.len() / 3);
+    for (split, _, added) in splits.get_splits(
+        tokenizers::OffsetReferential::Original,
+        tokenizers::OffsetType::None,
+    ) {
+        match added {
+            Some(added) => ids.extend(added.iter().map(|t| t.id)),
+            None => words(split, &mut |word| {
+                let merged = tokenizers::Model::tokenize(model, word).map_err(encode_err)?;
+                ids.extend(merged.iter().map(|t| t.id));
+                Ok(())
+            })?,
+        }
+    }
     let tokens = ids
         .into_iter()
         .map(|id| tokenizers::Token::new(id, String::new(), (0, 0)))
@@ -438,7 +468,7 @@ fn post_process(
             None,
             add_special_tokens,
         )
-        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        .map_err(encode_err)?;
     Ok(encoding.get_ids().to_vec())
 }
 

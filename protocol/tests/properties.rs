@@ -443,3 +443,14 @@ fn delta_size_grows_with_changes_not_with_filter_size() {
         "delta {large} B vs snapshot {snapshot} B"
     );
 }
+
+#[test]
+fn a_router_filter_turned_into_a_snapshot_comes_back_equal() {
+    let params = FilterParams::for_capacity(1_000, 0.01);
+    let f =
+        BloomFilter::from_keys(params, (0..700u64).map(|k| k.wrapping_mul(0x9e37_79b9))).unwrap();
+    let snap = f.snapshot();
+    assert_eq!(snap.resident_blocks, 700);
+    assert_eq!(snap.bits.len() as u64 * 8, params.num_bits());
+    assert_eq!(BloomFilter::from_snapshot(&snap).unwrap(), f);
+}

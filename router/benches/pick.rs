@@ -14,7 +14,6 @@
 //!
 //! `cargo bench -p kvsight-router --bench pick`
 
-use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -26,6 +25,7 @@ use kvsight_router::config::SchedulerConfig;
 use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
 use kvsight_router::tokenize::{model_tokenizer, read_dir};
+use kvsight_testbed::messages;
 
 const PODS: usize = 64;
 const BLOCKS: usize = 512;
@@ -36,47 +36,26 @@ type Held = fn(usize) -> usize;
 
 fn hello(i: usize) -> Hello {
     Hello {
-        protocol_version: PROTOCOL_VERSION,
         instance_id: i as u64,
-        pod: PodIdentity {
-            name: format!("pod-{i}"),
-            namespace: "ns".into(),
-            url: format!("http://10.0.0.{i}:8000"),
-            labels: BTreeMap::new(),
-        },
         engine: EngineFacts {
             block_size: BS,
             num_gpu_blocks: 100_000,
-            prefix_caching: true,
-            max_num_seqs: 256,
             max_model_len: 32_768,
             max_num_batched_tokens: Some(8192),
-            engine_version: "0.33.0".into(),
+            ..messages::engine()
         },
-        models: vec!["m".into()],
-        lora_adapters: vec![],
-        tokenizer: None,
         sidecar_version: "bench".into(),
         load_interval_ms: 3_600_000,
+        ..messages::hello(&format!("pod-{i}"), &format!("http://10.0.0.{i}:8000"))
     }
 }
 
 fn load(i: usize) -> Load {
     Load {
-        seq: 1,
-        sample_age_ms: 0,
-        phase: Phase::Ready,
-        cache_view: CacheView::Exact,
         running: (i % 7) as u32,
-        waiting: 0,
         kv_usage: 0.3,
-        unrouted: 0,
-        prefix_cache_queries: 0,
-        prefix_cache_hits: 0,
-        preemptions: 0,
         prefill_tokens_per_s: Some(20_000.0),
-        lora_running: vec![],
-        lora_waiting: vec![],
+        ..messages::idle_load()
     }
 }
 
@@ -92,13 +71,7 @@ fn registry(chain: &[u64], held: impl Fn(usize) -> usize) -> (Registry, Vec<(Str
         let other = (0..20_000u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
         let keys = chain[..held(i)].iter().copied().chain(other);
         let f = BloomFilter::from_keys(params, keys).unwrap();
-        let snap = CacheSnapshot {
-            version: 1,
-            params: f.params(),
-            resident_blocks: 0,
-            bits: f.words().flat_map(u64::to_le_bytes).collect(),
-        };
-        reg.apply_snapshot(&key, conn, &snap).unwrap();
+        reg.apply_snapshot(&key, conn, &f.snapshot()).unwrap();
         conns.push((key, conn));
     }
     (reg, conns)

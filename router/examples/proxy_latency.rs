@@ -8,7 +8,6 @@
 //!
 //! `cargo run --release -p kvsight-router --example proxy_latency [streams] [requests-per-stream]`
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +19,7 @@ use axum::serve::ListenerExt;
 use kvsight_protocol::messages::*;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{State, app};
+use kvsight_testbed::messages;
 use tokio_util::sync::CancellationToken;
 
 /// Tokens per answer and the time between two tokens (≈ 50 tokens/s, a mid-size model's decode).
@@ -68,28 +68,19 @@ async fn pod() -> String {
 
 fn hello(url: &str) -> Hello {
     Hello {
-        protocol_version: PROTOCOL_VERSION,
-        instance_id: 1,
         pod: PodIdentity {
-            name: "p".into(),
             namespace: "bench".into(),
-            url: url.into(),
-            labels: BTreeMap::new(),
+            ..messages::hello("p", url).pod
         },
         engine: EngineFacts {
-            block_size: 16,
             num_gpu_blocks: 100_000,
-            prefix_caching: true,
             max_num_seqs: 1024,
             max_model_len: 32_768,
-            max_num_batched_tokens: None,
-            engine_version: "0.33.0".into(),
+            ..messages::engine()
         },
-        models: vec!["m".into()],
-        lora_adapters: vec![],
-        tokenizer: None,
         sidecar_version: "bench".into(),
         load_interval_ms: 3_600_000,
+        ..messages::hello("p", url)
     }
 }
 
@@ -173,22 +164,7 @@ async fn main() {
     {
         let mut reg = state.registry();
         let (key, conn) = reg.register(hello(&pod), Instant::now());
-        let load = Load {
-            seq: 1,
-            sample_age_ms: 0,
-            phase: Phase::Ready,
-            cache_view: CacheView::Exact,
-            running: 0,
-            waiting: 0,
-            kv_usage: 0.0,
-            unrouted: 0,
-            prefix_cache_queries: 0,
-            prefix_cache_hits: 0,
-            preemptions: 0,
-            prefill_tokens_per_s: None,
-            lora_running: vec![],
-            lora_waiting: vec![],
-        };
+        let load = messages::idle_load();
         reg.apply_load(&key, conn, load, Instant::now()).unwrap();
     }
     let router = serve(app(Arc::clone(&state))).await;

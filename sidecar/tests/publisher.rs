@@ -3,7 +3,6 @@
 //! rogue-CA router refused while a good one is served, tokenizer transfer, in-flight reports and
 //! the drained Goodbye.
 
-use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,6 +16,7 @@ use kvsight_sidecar::kv_events::subscriber::{SharedMirror, lock};
 use kvsight_sidecar::mirror::Mirror;
 use kvsight_sidecar::publisher::Publisher;
 use kvsight_sidecar::state::{LoadSample, Shared};
+use kvsight_testbed::messages;
 use kvsight_transport::dev_certs::DevCa;
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, server};
 use tokio::sync::mpsc;
@@ -171,28 +171,13 @@ impl TestRouter {
 
 fn hello() -> Hello {
     Hello {
-        protocol_version: PROTOCOL_VERSION,
         instance_id: 42,
-        pod: PodIdentity {
-            name: "pod-0".into(),
-            namespace: "ns".into(),
-            url: "http://127.0.0.1:8000".into(),
-            labels: BTreeMap::new(),
-        },
         engine: EngineFacts {
             block_size: 4,
-            num_gpu_blocks: 1000,
-            prefix_caching: true,
-            max_num_seqs: 256,
-            max_model_len: 4096,
-            max_num_batched_tokens: None,
-            engine_version: "0.33.0".into(),
+            ..messages::engine()
         },
-        models: vec!["m".into()],
-        lora_adapters: vec![],
-        tokenizer: None,
-        sidecar_version: "test".into(),
         load_interval_ms: 100,
+        ..messages::hello("pod-0", "http://127.0.0.1:8000")
     }
 }
 

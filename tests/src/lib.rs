@@ -4,5 +4,6 @@
 
 pub mod cluster;
 pub mod demo;
+pub mod messages;
 pub mod own_tokenizer;
 pub mod sim;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use kvsight_testbed::cluster::{
     BlindMode, BlindRouter, Cluster, ClusterConfig, L4Balancer, PodCounters, PodSpec, Routed, WAIT,
-    eventually, own_tokenizer_or_skip, post_json,
+    decision_of, eventually, own_tokenizer_or_skip, post_json, send_json,
 };
 use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
@@ -143,21 +143,9 @@ struct OpenStream {
 /// POSTs a streamed completion to `url` and returns once its first event arrived (the engine has
 /// prefilled it and it is running); the router's choice comes from the decision header.
 async fn open_stream(http: &reqwest::Client, url: &str, body: &Value) -> OpenStream {
-    let mut resp = http
-        .post(url)
-        .header("content-type", "application/json")
-        .header("x-kvsight-debug", "1")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let mut resp = send_json(http, url, body).await.unwrap();
     assert_eq!(resp.status(), 200);
-    let decision: Value = resp
-        .headers()
-        .get("x-kvsight-decision")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| serde_json::from_str(v).ok())
-        .expect("a decision header");
+    let decision = decision_of(&resp).expect("a decision header");
     let pod = decision["pod"].as_str().unwrap().to_owned();
     let first = tokio::time::timeout(WAIT, resp.chunk())
         .await

@@ -13,12 +13,9 @@
 use regex_automata::meta::Regex;
 use regex_automata::{Anchored, Input};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{
-    Encoding, Model as _, NormalizerWrapper, OffsetReferential, OffsetType, PreTokenizerWrapper,
-    Token, Tokenizer,
-};
+use tokenizers::{PreTokenizerWrapper, Tokenizer};
 
-use super::TokenizerError;
+use super::{TokenizerError, WordSink};
 
 /// `ByteLevel`'s pattern (`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`)
 /// without the lookahead alternative, whose effect [`ByteLevelFastPath::for_each_word`] restores.
@@ -55,50 +52,22 @@ impl ByteLevelFastPath {
         })
     }
 
-    /// The ids `tokenizer.encode(text, add_special_tokens)` produces.
-    pub(super) fn encode(
-        &self,
-        tokenizer: &Tokenizer,
-        text: &str,
-        add_special_tokens: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
-        let encode_err = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
-        let pieces = tokenizer
-            .get_added_vocabulary()
-            .extract_and_normalize(None::<&NormalizerWrapper>, text);
-        let model = tokenizer.get_model();
-        let mut ids: Vec<u32> = Vec::with_capacity(text.len() / 3);
+    /// Passes each word of one text between added tokens to `emit`, written in GPT-2's byte
+    /// alphabet as the model expects (the rest is [`super::encode_by_words`]).
+    pub(super) fn words(&self, split: &str, emit: &mut WordSink<'_>) -> Result<(), TokenizerError> {
+        let prefixed;
+        let split = if self.add_prefix_space && !split.starts_with(' ') {
+            prefixed = format!(" {split}");
+            prefixed.as_str()
+        } else {
+            split
+        };
         let mut word = String::new();
-        for (piece, _, added) in pieces.get_splits(OffsetReferential::Original, OffsetType::None) {
-            if let Some(added) = added {
-                ids.extend(added.iter().map(|t| t.id));
-                continue;
-            }
-            let prefixed;
-            let piece = if self.add_prefix_space && !piece.starts_with(' ') {
-                prefixed = format!(" {piece}");
-                prefixed.as_str()
-            } else {
-                piece
-            };
-            self.for_each_word(piece, |w| {
-                word.clear();
-                word.extend(w.bytes().map(|b| self.byte_chars[usize::from(b)]));
-                let merged = model.tokenize(&word).map_err(encode_err)?;
-                ids.extend(merged.iter().map(|t| t.id));
-                Ok(())
-            })?;
-        }
-        // The post-processor adds the special tokens by id; token strings and offsets, which
-        // only `Encoding`'s other fields carry, are left empty.
-        let tokens = ids
-            .into_iter()
-            .map(|id| Token::new(id, String::new(), (0, 0)))
-            .collect();
-        let encoding = tokenizer
-            .post_process(Encoding::from_tokens(tokens, 0), None, add_special_tokens)
-            .map_err(encode_err)?;
-        Ok(encoding.get_ids().to_vec())
+        self.for_each_word(split, |w| {
+            word.clear();
+            word.extend(w.bytes().map(|b| self.byte_chars[usize::from(b)]));
+            emit(&word)
+        })
     }
 
     /// Calls `f` with each word of `text` as `ByteLevel`'s pattern splits it.
@@ -173,7 +142,9 @@ mod tests {
     use tokenizers::normalizers::Lowercase;
     use tokenizers::pre_tokenizers::metaspace::Metaspace;
     use tokenizers::processors::template::TemplateProcessing;
-    use tokenizers::{AddedToken, PreTokenizedString, PreTokenizer as _};
+    use tokenizers::{
+        AddedToken, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer as _,
+    };
 
     use super::*;
     use crate::tokenizer::ModelTokenizer;

@@ -1,5 +1,5 @@
-//! A faster road to the same ids for sentencepiece-style BPE tokenizers (Llama 2, Mistral,
-//! Phi-3): a normalizer that prepends "▁" and replaces " " with "▁", no pre-tokenizer, a BPE
+//! A faster road to the same ids for sentencepiece-style BPE tokenizers (tested on Phi-3;
+//! Llama 2 and Mistral have the same shape): a normalizer that prepends "▁" and replaces " " with "▁", no pre-tokenizer, a BPE
 //! model (usually with byte fallback).
 //!
 //! Why: with no pre-tokenizer `tokenizers` hands the whole text between two added tokens to
@@ -21,11 +21,9 @@
 //! prepended only to a non-empty one. Tokenizers of any other shape keep the full pipeline.
 
 use serde_json::json;
-use tokenizers::{
-    Model as _, ModelWrapper, NormalizerWrapper, OffsetReferential, OffsetType, Tokenizer,
-};
+use tokenizers::{ModelWrapper, Tokenizer};
 
-use super::{TokenizerError, post_process};
+use super::{TokenizerError, WordSink};
 
 /// The sentencepiece word-boundary marker that stands for a space.
 const SPACE: char = '▁';
@@ -84,51 +82,26 @@ impl SentencePieceFastPath {
         Some(Self)
     }
 
-    /// The ids `tokenizer.encode(text, add_special_tokens)` produces.
-    pub(super) fn encode(
-        &self,
-        tokenizer: &Tokenizer,
-        text: &str,
-        add_special_tokens: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
-        let encode_err = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
-        let splits = tokenizer
-            .get_added_vocabulary()
-            .extract_and_normalize(None::<&NormalizerWrapper>, text);
-        let model = tokenizer.get_model();
-        let mut ids: Vec<u32> = Vec::with_capacity(text.len() / 3);
-        let mut piece = String::new();
-        let tokenize = |piece: &str, ids: &mut Vec<u32>| -> Result<(), TokenizerError> {
-            let tokens = model.tokenize(piece).map_err(encode_err)?;
-            ids.extend(tokens.iter().map(|t| t.id));
-            Ok(())
-        };
-        for (split, _, added) in splits.get_splits(OffsetReferential::Original, OffsetType::None) {
-            if let Some(added) = added {
-                ids.extend(added.iter().map(|t| t.id));
-                continue;
-            }
-            // `Prepend` leaves an empty text empty (the crate drops empty splits anyway).
-            if split.is_empty() {
-                continue;
-            }
-            // Prepend "▁", replace " " with "▁", and cut before a "▁" that follows another
-            // character — all in one pass over the split.
-            piece.clear();
-            piece.push(SPACE);
-            let mut last = SPACE;
-            for c in split.chars() {
-                let c = if c == ' ' { SPACE } else { c };
-                if c == SPACE && last != SPACE {
-                    tokenize(&piece, &mut ids)?;
-                    piece.clear();
-                }
-                piece.push(c);
-                last = c;
-            }
-            tokenize(&piece, &mut ids)?;
+    /// Normalizes one text between added tokens as the crate's normalizer does (prepend "▁",
+    /// replace " " with "▁") and passes its pieces to `emit`, cut before every "▁" that follows
+    /// another character — all in one pass (the rest is [`super::encode_by_words`]).
+    pub(super) fn words(&self, split: &str, emit: &mut WordSink<'_>) -> Result<(), TokenizerError> {
+        // `Prepend` leaves an empty text empty (the crate drops empty splits anyway).
+        if split.is_empty() {
+            return Ok(());
         }
-        post_process(tokenizer, ids, add_special_tokens)
+        let mut piece = String::from(SPACE);
+        let mut last = SPACE;
+        for c in split.chars() {
+            let c = if c == ' ' { SPACE } else { c };
+            if c == SPACE && last != SPACE {
+                emit(&piece)?;
+                piece.clear();
+            }
+            piece.push(c);
+            last = c;
+        }
+        emit(&piece)
     }
 }
 

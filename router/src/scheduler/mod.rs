@@ -417,11 +417,11 @@ impl Scheduler {
 
     /// Scores the open candidates and finds the best two totals (highest first, ties broken by
     /// pod key so decisions are reproducible), computing real matches only where needed.
-    fn rank(
+    fn rank<'p>(
         &self,
         ctx: &Ctx<'_>,
         used: &[&(Box<dyn Scorer>, f64)],
-        open: &mut [Candidate<'_>],
+        open: &mut [Candidate<'p>],
         m: &mut PromptHashes<'_>,
     ) -> Ranked {
         let n = open.len();
@@ -451,7 +451,7 @@ impl Scheduler {
         };
         let mut totals: Vec<f64> = (0..n).map(|i| total_of(&values, i)).collect();
         // The pods outlive `open`, so their keys can be read while candidates are resolved.
-        let keys: Vec<&str> = open.iter().map(|c| c.pod.key.as_str()).collect();
+        let keys: Vec<&'p str> = open.iter().map(|c| c.pod.key.as_str()).collect();
         let key = |i: usize| keys[i];
         // The best two exact candidates so far, best first.
         let mut top: [Option<usize>; 2] = [None, None];
@@ -469,9 +469,14 @@ impl Scheduler {
         // reach the top two: sampled probes, then the full linear scan.
         let mut heap = std::collections::BinaryHeap::with_capacity(n);
         let mut sampled = vec![false; n];
-        for i in 0..n {
-            if open[i].exact {
-                enter(&mut top, &totals, i);
+        // An exact candidate competes for the top two; any other waits on the heap by its bound.
+        let place = |top: &mut [Option<usize>; 2],
+                     heap: &mut std::collections::BinaryHeap<Bound<'p>>,
+                     totals: &[f64],
+                     exact: bool,
+                     i: usize| {
+            if exact {
+                enter(top, totals, i);
             } else {
                 heap.push(Bound {
                     total: totals[i],
@@ -479,6 +484,9 @@ impl Scheduler {
                     index: i,
                 });
             }
+        };
+        for (i, c) in open.iter().enumerate() {
+            place(&mut top, &mut heap, &totals, c.exact, i);
         }
         while let Some(Bound {
             total, index: i, ..
@@ -502,15 +510,7 @@ impl Scheduler {
                 }
             }
             totals[i] = total_of(&values, i);
-            if open[i].exact {
-                enter(&mut top, &totals, i);
-            } else {
-                heap.push(Bound {
-                    total: totals[i],
-                    key: key(i),
-                    index: i,
-                });
-            }
+            place(&mut top, &mut heap, &totals, open[i].exact, i);
         }
         let best = top[0].expect("non-empty");
         Ranked {

@@ -167,13 +167,7 @@ fn build(specs: &[PodSpec], base: &[u32], now: Instant) -> Registry {
         let others = (0..s.others).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
         let keys = held.chain(scattered).copied().chain(others);
         let f = BloomFilter::from_keys(FilterParams::for_capacity(cap, 0.01), keys).unwrap();
-        let snap = CacheSnapshot {
-            version: 1,
-            params: f.params(),
-            resident_blocks: 0,
-            bits: f.words().flat_map(u64::to_le_bytes).collect(),
-        };
-        reg.apply_snapshot(&key, conn, &snap).unwrap();
+        reg.apply_snapshot(&key, conn, &f.snapshot()).unwrap();
     }
     reg
 }

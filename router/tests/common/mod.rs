@@ -12,57 +12,39 @@ use kvsight_protocol::messages::*;
 use kvsight_router::State;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::pods::ConnId;
+use kvsight_testbed::messages;
 use tokio_util::sync::CancellationToken;
 
-pub const MODEL: &str = "m";
+pub const MODEL: &str = messages::MODEL;
 
 pub fn hello(name: &str, url: &str, labels: &[(&str, &str)]) -> Hello {
+    let h = messages::hello(name, url);
     Hello {
-        protocol_version: PROTOCOL_VERSION,
-        instance_id: 1,
         pod: PodIdentity {
-            name: name.into(),
-            namespace: "ns".into(),
-            url: url.into(),
             labels: labels
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect::<BTreeMap<_, _>>(),
+            ..h.pod
         },
         engine: EngineFacts {
-            block_size: 16,
-            num_gpu_blocks: 1000,
-            prefix_caching: true,
             max_num_seqs: 8,
-            max_model_len: 4096,
             max_num_batched_tokens: Some(2048),
-            engine_version: "0.33.0".into(),
+            ..messages::engine()
         },
-        models: vec![MODEL.into()],
         lora_adapters: vec!["sql-lora".into()],
-        tokenizer: None,
-        sidecar_version: "test".into(),
-        // Long, so a pod registered by hand never goes stale during a test.
-        load_interval_ms: 60_000,
+        ..h
     }
 }
 
 pub fn load(phase: Phase, running: u32, waiting: u32) -> Load {
     Load {
-        seq: 1,
-        sample_age_ms: 0,
         phase,
-        cache_view: CacheView::Exact,
         running,
         waiting,
-        kv_usage: 0.0,
-        unrouted: 0,
         prefix_cache_queries: 10,
         prefix_cache_hits: 5,
-        preemptions: 0,
-        prefill_tokens_per_s: None,
-        lora_running: vec![],
-        lora_waiting: vec![],
+        ..messages::idle_load()
     }
 }
 

@@ -817,6 +817,28 @@ pub struct Routed {
     pub text: String,
 }
 
+/// POSTs JSON to `url` asking for the router's decision header; the body is left to read.
+pub async fn send_json(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> reqwest::Result<reqwest::Response> {
+    http.post(url)
+        .header("content-type", "application/json")
+        .header("x-kvsight-debug", "1")
+        .body(body.to_string())
+        .send()
+        .await
+}
+
+/// The router's `x-kvsight-decision` header, parsed.
+pub fn decision_of(resp: &reqwest::Response) -> Option<Value> {
+    resp.headers()
+        .get("x-kvsight-decision")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| serde_json::from_str(v).ok())
+}
+
 /// POSTs JSON to `url` asking for the router's decision header, timing the first body byte.
 pub async fn post_json(
     http: &reqwest::Client,
@@ -824,19 +846,9 @@ pub async fn post_json(
     body: &Value,
 ) -> Result<Routed, ClusterError> {
     let started = Instant::now();
-    let mut resp = http
-        .post(url)
-        .header("content-type", "application/json")
-        .header("x-kvsight-debug", "1")
-        .body(body.to_string())
-        .send()
-        .await?;
+    let mut resp = send_json(http, url, body).await?;
     let status = resp.status().as_u16();
-    let decision: Option<Value> = resp
-        .headers()
-        .get("x-kvsight-decision")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| serde_json::from_str(v).ok());
+    let decision = decision_of(&resp);
     let mut bytes = Vec::new();
     let mut ttfb = None;
     while let Some(chunk) = resp.chunk().await? {
