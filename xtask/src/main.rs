@@ -93,8 +93,9 @@ fn ci(root: &Path) -> Result<()> {
         build_and_replay_fuzz(root, package, dir)?;
     }
     println!(
-        "xtask ci: all steps passed in {:.0} s; tests that skipped themselves: {}",
+        "xtask ci: all steps passed in {:.0} s; target/ holds {:.1} GB; tests that skipped themselves: {}",
         started.elapsed().as_secs_f64(),
+        dir_bytes(&root.join("target")) as f64 / 1e9,
         if tally.skipped_names.is_empty() {
             "none".to_string()
         } else {
@@ -294,6 +295,22 @@ fn ensure_components() -> Result<()> {
 
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// Bytes under `dir` (files only, symlinks not followed). CI machines have little disk, so the
+/// build's footprint is printed with every run.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
+            _ => 0,
+        })
+        .sum()
 }
 
 fn step(label: &str, args: &[&str]) -> Result<()> {
