@@ -297,20 +297,29 @@ fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 
-/// Bytes under `dir` (files only, symlinks not followed). CI machines have little disk, so the
-/// build's footprint is printed with every run.
+/// Bytes on disk under `dir`, as `du` counts them: a hard-linked file (cargo links every binary
+/// from `deps/` to its profile folder) once, symlinks not followed. CI machines have little disk,
+/// so the build's footprint is printed with every run.
 fn dir_bytes(dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|e| match e.file_type() {
-            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
-            Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
-            _ => 0,
-        })
-        .sum()
+    fn walk(dir: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        let mut total = 0;
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
+            if meta.is_dir() {
+                total += walk(&entry.path(), seen);
+            } else if meta.is_file() && seen.insert((meta.dev(), meta.ino())) {
+                total += meta.blocks() * 512;
+            }
+        }
+        total
+    }
+    walk(dir, &mut std::collections::HashSet::new())
 }
 
 fn step(label: &str, args: &[&str]) -> Result<()> {
