@@ -1,5 +1,6 @@
 //! The kvsight-router binary: parse flags and the config file (exit 64 naming the field when
-//! either is wrong), bind, run until SIGTERM/Ctrl-C, drain.
+//! either is wrong), bind, run until SIGTERM/Ctrl-C, drain. `--check-config` only parses and
+//! validates the config file, like `nginx -t` (the Helm chart's CI runs it on rendered configs).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -30,14 +31,22 @@ struct Args {
     #[arg(long, env = "KVSIGHT_QUIC_LISTEN", default_value = "0.0.0.0:4433")]
     quic_listen: SocketAddr,
     /// This router's certificate (PEM).
-    #[arg(long, env = "KVSIGHT_TLS_CERT")]
-    tls_cert: PathBuf,
+    #[arg(
+        long,
+        env = "KVSIGHT_TLS_CERT",
+        required_unless_present = "check_config"
+    )]
+    tls_cert: Option<PathBuf>,
     /// This router's private key (PEM).
-    #[arg(long, env = "KVSIGHT_TLS_KEY")]
-    tls_key: PathBuf,
+    #[arg(
+        long,
+        env = "KVSIGHT_TLS_KEY",
+        required_unless_present = "check_config"
+    )]
+    tls_key: Option<PathBuf>,
     /// The CA that signs sidecar certificates (PEM).
-    #[arg(long, env = "KVSIGHT_TLS_CA")]
-    tls_ca: PathBuf,
+    #[arg(long, env = "KVSIGHT_TLS_CA", required_unless_present = "check_config")]
+    tls_ca: Option<PathBuf>,
     /// Config file (YAML or TOML), reloaded on change. Without it: defaults, no pools.
     #[arg(long, env = "KVSIGHT_CONFIG")]
     config: Option<PathBuf>,
@@ -50,6 +59,9 @@ struct Args {
     /// Seconds between /ready turning 503 and closing the listener.
     #[arg(long, env = "KVSIGHT_READY_DELAY_SECONDS", default_value_t = 0.0)]
     ready_delay_seconds: f64,
+    /// Only parse and validate --config, print `OK` or the error, exit 0 or 64 (like `nginx -t`).
+    #[arg(long, requires = "config")]
+    check_config: bool,
 }
 
 fn secs(field: &str, v: f64) -> Result<Duration, String> {
@@ -59,6 +71,9 @@ fn secs(field: &str, v: f64) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.check_config {
+        return check_config(&args);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -95,13 +110,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--check-config`: the same load and validation as at start and on every hot reload.
+fn check_config(args: &Args) -> ExitCode {
+    let path = args.config.as_deref().expect("clap requires --config");
+    match RouterConfig::load(path) {
+        Ok(_) => {
+            println!("{}: OK", path.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvsight-router: configuration error: {e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
+
 /// Everything checked before a port is bound.
 fn prepare(args: &Args) -> Result<RunConfig, String> {
     let config = match &args.config {
         Some(p) => RouterConfig::load(p).map_err(|e| e.to_string())?,
         None => RouterConfig::default(),
     };
-    let tls = TlsMaterial::from_pem_files(&args.tls_cert, &args.tls_key, &args.tls_ca)
+    let (Some(cert), Some(key), Some(ca)) = (&args.tls_cert, &args.tls_key, &args.tls_ca) else {
+        unreachable!("clap requires the TLS files unless --check-config");
+    };
+    let tls = TlsMaterial::from_pem_files(cert, key, ca)
         .map_err(|e| format!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
     let router_id = args
         .router_id

