@@ -26,7 +26,7 @@ use axum::serve::ListenerExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use kvsight_transport::{TlsMaterial, TransportError};
+use kvsight_transport::{TlsFiles, TlsMaterial, TransportError};
 
 pub use http::app;
 pub use state::State;
@@ -47,6 +47,8 @@ pub struct RunConfig {
     /// The file `config` came from; watched for changes when set.
     pub config_path: Option<PathBuf>,
     pub tls: TlsMaterial,
+    /// The files `tls` came from; watched, and new handshakes use renewed material, when set.
+    pub tls_files: Option<TlsFiles>,
     /// This replica's name (sent to sidecars in `Welcome`).
     pub router_id: String,
     /// Time between `/ready` turning 503 and closing the HTTP listener, so load balancers stop
@@ -76,7 +78,7 @@ pub enum RunError {
     Quic(#[from] TransportError),
     #[error("HTTP client: {0}")]
     Client(#[from] reqwest::Error),
-    #[error("config watcher: {0}")]
+    #[error("file watcher: {0}")]
     Reload(#[from] reload::ReloadError),
     #[error("HTTP server: {0}")]
     Http(#[source] std::io::Error),
@@ -127,6 +129,20 @@ pub async fn serve(
     // token instead of being a child of `shutdown`.
     let quic_stop = CancellationToken::new();
     let endpoint = kvsight_transport::server(listeners.quic, &cfg.tls)?;
+    // Lives until the end of `serve`: renewed certificates reach new sidecar handshakes.
+    let _tls_watch = match cfg.tls_files.clone() {
+        Some(files) => {
+            let (ep, st) = (endpoint.clone(), state.clone());
+            Some(files.watch(
+                move |material| {
+                    ep.set_server_config(Some(kvsight_transport::server_config(&material)?));
+                    Ok(())
+                },
+                move |outcome| st.metrics.tls_reload(outcome.label()),
+            )?)
+        }
+        None => None,
+    };
     let quic_task = tokio::spawn(quic::serve(endpoint, state.clone(), quic_stop.clone()));
     let watch_stop = shutdown.child_token();
     if let Some(path) = cfg.config_path.clone()

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{Listeners, RunConfig, RunError};
-use kvsight_transport::TlsMaterial;
+use kvsight_transport::TlsFiles;
 
 /// sysexits' EX_CONFIG-adjacent EX_USAGE: the configuration is wrong, restarting will not help.
 const EXIT_CONFIG: u8 = 64;
@@ -134,7 +134,13 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
     let (Some(cert), Some(key), Some(ca)) = (&args.tls_cert, &args.tls_key, &args.tls_ca) else {
         unreachable!("clap requires the TLS files unless --check-config");
     };
-    let tls = TlsMaterial::from_pem_files(cert, key, ca)
+    let tls_files = TlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        ca: ca.clone(),
+    };
+    let tls = tls_files
+        .load()
         .map_err(|e| format!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
     let router_id = args
         .router_id
@@ -144,6 +150,7 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
         config,
         config_path: args.config.clone(),
         tls,
+        tls_files: Some(tls_files),
         router_id,
         ready_delay: secs("ready-delay-seconds", args.ready_delay_seconds)?,
         grace: secs("grace-seconds", args.grace_seconds)?,

@@ -28,6 +28,8 @@ pub struct Metrics {
     pub retries: Family<Labels, Counter>,
     pub stream_cuts: Family<Labels, Counter>,
     pub config_reloads: Family<Labels, Counter>,
+    /// Looks at changed TLS files, by outcome (applied, unchanged, rejected).
+    pub tls_reloads: Family<Labels, Counter>,
     /// Requests by how their prefix chain was computed: `exact` (the model's tokenizer) or
     /// `approximate` (character chunks, no tokenizer for the model yet).
     pub prefix_mode: Family<Labels, Counter>,
@@ -64,6 +66,7 @@ impl Metrics {
             retries: Family::default(),
             stream_cuts: Family::default(),
             config_reloads: Family::default(),
+            tls_reloads: Family::default(),
             prefix_mode: Family::default(),
             tokenizer_checks: Family::default(),
             pods: Family::default(),
@@ -108,6 +111,12 @@ impl Metrics {
             "kvsight_router_config_reloads",
             "Config file reloads by outcome (applied, rejected)",
             m.config_reloads.clone(),
+        );
+        prom.register(
+            "kvsight_router_tls_reloads",
+            "Looks at changed TLS files by outcome (applied, unchanged, rejected); applied \
+             material is used by new sidecar handshakes",
+            m.tls_reloads.clone(),
         );
         prom.register(
             "kvsight_router_prefix_mode",
@@ -172,6 +181,12 @@ impl Metrics {
 
     pub fn reload(&self, outcome: &'static str) {
         self.config_reloads
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
+    }
+
+    pub fn tls_reload(&self, outcome: &'static str) {
+        self.tls_reloads
             .get_or_create(&vec![("outcome", outcome.to_owned())])
             .inc();
     }

@@ -13,8 +13,10 @@ use kvsight_protocol::bloom::{CountingFilter, FilterParams};
 use kvsight_protocol::messages::*;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{Listeners, RunConfig, State, build_state, serve};
-use kvsight_transport::dev_certs::DevCa;
-use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, client};
+use kvsight_transport::dev_certs::{DevCa, SecretDir};
+use kvsight_transport::{FramedRecv, FramedSend, TlsFiles, TlsMaterial, client};
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
 use tokio_util::sync::CancellationToken;
 
 use common::*;
@@ -35,13 +37,23 @@ async fn start_with(
     ca: &DevCa,
     tokenizer_loader: Option<kvsight_router::tokenize::TokenizerLoader>,
 ) -> Running {
+    let tls = ca.material("router", &["kvsight-router"]).unwrap();
+    start_run(tls, None, tokenizer_loader).await
+}
+
+async fn start_run(
+    tls: TlsMaterial,
+    tls_files: Option<TlsFiles>,
+    tokenizer_loader: Option<kvsight_router::tokenize::TokenizerLoader>,
+) -> Running {
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let quic = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let (http_addr, quic_addr) = (http.local_addr().unwrap(), quic.local_addr().unwrap());
     let cfg = RunConfig {
         config: RouterConfig::default(),
         config_path: None,
-        tls: ca.material("router", &["kvsight-router"]).unwrap(),
+        tls,
+        tls_files,
         router_id: "r1".into(),
         ready_delay: Duration::ZERO,
         grace: Duration::from_secs(2),
@@ -194,6 +206,69 @@ async fn a_sidecar_registers_reports_and_leaves() {
         .await
         .unwrap();
     eventually("unregistration", || st.registry().get("ns/a").is_none()).await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
+
+impl Sidecar {
+    /// The router's leaf certificate on this connection.
+    fn router_cert(&self) -> CertificateDer<'static> {
+        let chain = self
+            .conn
+            .peer_identity()
+            .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+            .expect("the router presented a certificate");
+        chain[0].clone()
+    }
+
+    /// Hello, and the answer is Welcome.
+    async fn register(&mut self, name: &str) {
+        self.send
+            .send(&SidecarMessage::Hello(fast_hello(name)))
+            .await
+            .unwrap();
+        let m = self.next().await;
+        assert!(matches!(m, RouterMessage::Welcome(_)), "{m:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_renewed_router_certificate_reaches_new_sidecars_without_a_restart() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let leaf = || ca.issue("router", &["kvsight-router"]).unwrap();
+    let (first, renewed) = (leaf(), leaf());
+    let mut dir = SecretDir::new("router-renew").unwrap();
+    dir.publish_leaf(&first, &ca).unwrap();
+    let r = start_run(dir.files().load().unwrap(), Some(dir.files()), None).await;
+    let pod_tls = ca.material("pod-a", &["pod-a"]).unwrap();
+    let mut a = connect(&pod_tls, r.quic).await.unwrap();
+    a.register("a").await;
+    assert_eq!(
+        a.router_cert(),
+        CertificateDer::from_pem_slice(first.cert.as_bytes()).unwrap()
+    );
+
+    dir.publish_leaf(&renewed, &ca).unwrap();
+    let applied = || {
+        r.state
+            .metrics
+            .tls_reloads
+            .get_or_create(&vec![("outcome", "applied".to_owned())])
+            .get()
+    };
+    eventually("the renewal to be applied", || applied() == 1).await;
+    let mut b = connect(&pod_tls, r.quic).await.unwrap();
+    b.register("b").await;
+    assert_eq!(
+        b.router_cert(),
+        CertificateDer::from_pem_slice(renewed.cert.as_bytes()).unwrap(),
+        "a sidecar connecting after the renewal must see the renewed certificate"
+    );
+    assert!(
+        a.conn.close_reason().is_none(),
+        "the first pod's connection must carry on"
+    );
+    eventually("both pods registered", || r.state.registry().len() == 2).await;
     r.shutdown.cancel();
     r.task.await.unwrap().unwrap();
 }

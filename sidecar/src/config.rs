@@ -109,13 +109,8 @@ fn bad(field: &'static str, why: impl Into<String>) -> ConfigError {
     }
 }
 
-/// TLS file paths (all three are needed together).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsPaths {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub ca: PathBuf,
-}
+/// TLS file paths (all three are needed together), watched for renewals.
+pub use kvsight_transport::TlsFiles as TlsPaths;
 
 /// A router target as configured: a host (name or address) and port.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -58,6 +58,8 @@ pub struct Listeners {
 pub enum RunError {
     #[error("TLS material: {0}")]
     Tls(#[from] kvsight_transport::TransportError),
+    #[error("TLS files: {0}")]
+    TlsWatch(#[from] kvsight_transport::files::WatchError),
     #[error("warm-up plan: {0}")]
     Warmup(#[from] warmup::WarmupError),
     #[error("KV-cache filter for {blocks} blocks: {source}")]
@@ -84,11 +86,7 @@ pub async fn run_with(
     shared: Arc<Shared>,
 ) -> Result<(), RunError> {
     // Everything that can be checked without vLLM is checked before any work starts.
-    let tls = config
-        .tls
-        .as_ref()
-        .map(|t| TlsMaterial::from_pem_files(&t.cert, &t.key, &t.ca))
-        .transpose()?;
+    let tls = config.tls.as_ref().map(|t| t.load()).transpose()?;
     let plan_file = match &config.warmup {
         WarmupSource::File(p) => Some(warmup::load_plan(p)?),
         _ => None,
@@ -237,9 +235,24 @@ async fn start_and_serve(
     // Routers hear Goodbye only after the drain: `close` is cancelled at its end (or by stop).
     let close = stop.child_token();
     tracker.spawn(Arc::clone(&publisher).run_ticker(config.publish_interval, stop.clone()));
+    // Lives as long as this function: renewed certificates reach the next handshakes.
+    let mut _tls_watch = None;
     if let Some(tls) = tls {
+        let (material, current) = tokio::sync::watch::channel(tls);
+        if let Some(files) = config.tls.clone() {
+            let metrics = Arc::clone(&shared.metrics);
+            _tls_watch = Some(files.watch(
+                move |new| {
+                    // Built once here only to refuse what a handshake could not use.
+                    kvsight_transport::client_config(&new)?;
+                    material.send_replace(new);
+                    Ok(())
+                },
+                move |outcome| metrics.count_tls_reload(outcome.label()),
+            )?);
+        }
         tracker.spawn(Arc::clone(&publisher).run_routers(
-            tls,
+            current,
             config.routers.clone(),
             config.router_resolve_interval,
             close.clone(),

@@ -31,6 +31,8 @@ pub struct Metrics {
     pub routers_connected: Gauge,
     /// By `reason`: `refused` (router said no), `connect` (dial/TLS), `connection` (dropped).
     pub router_errors: Family<Labels, Counter>,
+    /// Looks at changed TLS files, by outcome (applied, unchanged, rejected).
+    pub tls_reloads: Family<Labels, Counter>,
     pub publish_bytes: Counter,
     /// 1 for the current phase, 0 for the others.
     pub phase: Family<Labels, Gauge>,
@@ -60,6 +62,7 @@ impl Metrics {
             cache_lost: Counter::default(),
             routers_connected: Gauge::default(),
             router_errors: Family::default(),
+            tls_reloads: Family::default(),
             publish_bytes: Counter::default(),
             phase: Family::default(),
             unrouted_requests: Gauge::default(),
@@ -109,6 +112,12 @@ impl Metrics {
             m.router_errors.clone(),
         );
         r.register(
+            "tls_reloads",
+            "Looks at changed TLS files by outcome (applied, unchanged, rejected); applied \
+             material is used from the next router handshake",
+            m.tls_reloads.clone(),
+        );
+        r.register(
             "publish_bytes",
             "Bytes sent to routers",
             m.publish_bytes.clone(),
@@ -156,6 +165,12 @@ impl Metrics {
     }
 
     /// Counts one router failure for `reason`.
+    pub fn count_tls_reload(&self, outcome: &str) {
+        self.tls_reloads
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
+    }
+
     pub fn count_router_error(&self, reason: &str) {
         self.router_errors
             .get_or_create(&vec![("reason", reason.to_owned())])

@@ -134,7 +134,7 @@ impl Publisher {
     /// connections then say Goodbye with the shared close reason.
     pub async fn run_routers(
         self: Arc<Self>,
-        tls: TlsMaterial,
+        tls: tokio::sync::watch::Receiver<TlsMaterial>,
         targets: Vec<RouterTarget>,
         every: Duration,
         close: CancellationToken,
@@ -167,7 +167,7 @@ impl Publisher {
                         } else {
                             (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
                         };
-                        match kvsight_transport::client(bind, &tls) {
+                        match kvsight_transport::client(bind, &tls.borrow()) {
                             Ok(e) => {
                                 endpoints.insert(v6, e.clone());
                                 e
@@ -184,6 +184,7 @@ impl Publisher {
                 tracing::info!(router = %addr, name = %host, "new router address");
                 tracker.spawn(Arc::clone(&self).run_connection(
                     endpoint,
+                    tls.clone(),
                     *addr,
                     host.clone(),
                     token,
@@ -214,6 +215,7 @@ impl Publisher {
     async fn run_connection(
         self: Arc<Self>,
         endpoint: quinn::Endpoint,
+        tls: tokio::sync::watch::Receiver<TlsMaterial>,
         addr: SocketAddr,
         server_name: String,
         close: CancellationToken,
@@ -226,7 +228,7 @@ impl Publisher {
             let id = self.next_connection.fetch_add(1, Ordering::Relaxed);
             let started = Instant::now();
             let result = self
-                .connect_once(&endpoint, addr, &server_name, id, &close)
+                .connect_once(&endpoint, &tls, addr, &server_name, id, &close)
                 .await;
             self.shared.clear_inflight(id);
             self.shared.update_router(&label, |r| {
@@ -268,12 +270,16 @@ impl Publisher {
     async fn connect_once(
         &self,
         endpoint: &quinn::Endpoint,
+        tls: &tokio::sync::watch::Receiver<TlsMaterial>,
         addr: SocketAddr,
         server_name: &str,
         id: u64,
         close: &CancellationToken,
     ) -> Result<(), PublishError> {
-        let connecting = endpoint.connect(addr, server_name)?;
+        // The newest material on every attempt: a renewed certificate is used from the next
+        // reconnect on (the connection in progress keeps the one it was set up with).
+        let config = kvsight_transport::client_config(&tls.borrow())?;
+        let connecting = endpoint.connect_with(config, addr, server_name)?;
         let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
             .await
             .map_err(|_| PublishError::Timeout("handshake"))??;

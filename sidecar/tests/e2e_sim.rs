@@ -22,7 +22,7 @@ use kvsight_sidecar::{Listeners, run_with};
 use kvsight_testbed::sim::engine::EngineConfig;
 use kvsight_testbed::sim::kv_events::{Layout, ReplayLayout};
 use kvsight_testbed::sim::server::{SimConfig, SimPod, SimPodHandle};
-use kvsight_transport::dev_certs::DevCa;
+use kvsight_transport::dev_certs::{DevCa, SecretDir};
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, server};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -150,6 +150,8 @@ struct Pod {
     shared: Arc<Shared>,
     base: String,
     router: Option<TestRouter>,
+    /// The CA and the Secret-like folder the sidecar's TLS files are read from (with a router).
+    tls: Option<(DevCa, SecretDir)>,
     http: reqwest::Client,
     stop: CancellationToken,
     task: JoinHandle<Result<(), kvsight_sidecar::RunError>>,
@@ -212,24 +214,28 @@ async fn start_pod(name: &str, sim: SimPodHandle, with_router: bool, warmup: Opt
             args.extend(["--warmup".to_owned(), path.display().to_string()]);
         }
     }
-    let router = if with_router {
+    let (router, tls) = if with_router {
         let ca = DevCa::new("e2e-ca").unwrap();
-        ca.write_leaves(&dir.0, &[("pod-0", &["pod-0"])]).unwrap();
+        let mut secret = SecretDir::new(name).unwrap();
+        secret
+            .publish_leaf(&ca.issue("pod-0", &["pod-0"]).unwrap(), &ca)
+            .unwrap();
         let router = TestRouter::start(&ca.material("router", &["127.0.0.1"]).unwrap());
-        let p = |f: &str| dir.0.join(f).display().to_string();
+        let files = secret.files();
+        let p = |f: &std::path::Path| f.display().to_string();
         args.extend([
             "--router".to_owned(),
             router.addr.to_string(),
             "--tls-cert".to_owned(),
-            p("pod-0.pem"),
+            p(&files.cert),
             "--tls-key".to_owned(),
-            p("pod-0-key.pem"),
+            p(&files.key),
             "--tls-ca".to_owned(),
-            p("ca.pem"),
+            p(&files.ca),
         ]);
-        Some(router)
+        (Some(router), Some((ca, secret)))
     } else {
-        None
+        (None, None)
     };
     let cfg: Config = <Args as clap::Parser>::parse_from(args)
         .validate(|_| None)
@@ -249,6 +255,7 @@ async fn start_pod(name: &str, sim: SimPodHandle, with_router: bool, warmup: Opt
         shared,
         base,
         router,
+        tls,
         http: reqwest::Client::new(),
         stop,
         task,
@@ -707,4 +714,46 @@ async fn engine_process_replaced_on_the_same_ports_resyncs() {
         "restart not seen: {after:?}"
     );
     assert_eq!(after.view, CacheView::Exact);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewed_tls_files_are_taken_up_by_the_running_sidecar() {
+    let sim = SimPod::start(sim_config(engine(48))).await.unwrap();
+    let mut pod = start_pod("tls-renew", sim, true, None).await;
+    pod.ready().await;
+    let reloads = |outcome: &str| {
+        pod.shared
+            .metrics
+            .tls_reloads
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .get()
+    };
+    assert_eq!(reloads("applied"), 0);
+    let (ca, secret) = pod.tls.as_mut().unwrap();
+    // A certificate with another leaf's key first (refused), then a proper renewal.
+    let (a, b) = (
+        ca.issue("pod-0", &["pod-0"]).unwrap(),
+        ca.issue("pod-0", &["pod-0"]).unwrap(),
+    );
+    secret.publish(&a.cert, &b.key, &ca.ca_pem()).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while reloads("rejected") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the mismatched pair was never looked at"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        reloads("applied"),
+        0,
+        "a mismatched pair must not be applied"
+    );
+    let (ca, secret) = pod.tls.as_mut().unwrap();
+    secret.publish_leaf(&a, ca).unwrap();
+    while reloads("applied") == 0 {
+        assert!(Instant::now() < deadline, "the renewal was never applied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!pod.task.is_finished(), "the sidecar kept running");
 }

@@ -19,6 +19,8 @@ use kvsight_sidecar::state::{LoadSample, Shared};
 use kvsight_testbed::messages;
 use kvsight_transport::dev_certs::DevCa;
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, server};
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -28,7 +30,12 @@ const WAIT: Duration = Duration::from_secs(10);
 /// What a test router saw, per accepted connection.
 #[derive(Debug)]
 enum Seen {
-    Connected(u64, mpsc::UnboundedSender<RouterMessage>),
+    /// A connection that said Hello and got Welcome, with the pod's leaf certificate.
+    Connected(
+        u64,
+        mpsc::UnboundedSender<RouterMessage>,
+        CertificateDer<'static>,
+    ),
     Message(u64, SidecarMessage),
     Closed,
 }
@@ -98,7 +105,12 @@ impl TestRouter {
                     .await
                     .unwrap();
                     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
-                    let _ = tx.send(Seen::Connected(id, out_tx));
+                    let peer = conn
+                        .peer_identity()
+                        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+                        .and_then(|chain| chain.first().cloned())
+                        .expect("mutual TLS: the pod presented a certificate");
+                    let _ = tx.send(Seen::Connected(id, out_tx, peer));
                     // The test may drop its sender: then the router only listens.
                     let mut out_open = true;
                     loop {
@@ -155,9 +167,21 @@ impl TestRouter {
     }
 
     async fn connected(&mut self) -> (u64, mpsc::UnboundedSender<RouterMessage>) {
+        let (id, tx, _) = self.connected_as().await;
+        (id, tx)
+    }
+
+    /// [`connected`](Self::connected), with the certificate the pod presented.
+    async fn connected_as(
+        &mut self,
+    ) -> (
+        u64,
+        mpsc::UnboundedSender<RouterMessage>,
+        CertificateDer<'static>,
+    ) {
         loop {
-            if let Seen::Connected(id, tx) = self.next().await {
-                return (id, tx);
+            if let Seen::Connected(id, tx, peer) = self.next().await {
+                return (id, tx, peer);
             }
         }
     }
@@ -201,6 +225,8 @@ fn store(mirror: &SharedMirror, first_hash: u64, blocks: u64) {
 
 struct Sidecar {
     shared: Arc<Shared>,
+    /// What the sidecar's TLS reload would publish: the material for its next handshakes.
+    tls: tokio::sync::watch::Sender<TlsMaterial>,
     mirror: SharedMirror,
     close: CancellationToken,
     stop: CancellationToken,
@@ -227,10 +253,11 @@ fn start_sidecar(
     let stop = CancellationToken::new();
     let close = stop.child_token();
     let tracker = TaskTracker::new();
+    let (tls, current) = tokio::sync::watch::channel(tls);
     tokio::spawn(Arc::clone(&publisher).run_ticker(Duration::from_millis(10), stop.clone()));
     tokio::spawn(
         publisher.run_routers(
-            tls,
+            current,
             routers
                 .iter()
                 .map(|a| RouterTarget {
@@ -245,6 +272,7 @@ fn start_sidecar(
     );
     Sidecar {
         shared,
+        tls,
         mirror,
         close,
         stop,
@@ -352,6 +380,34 @@ async fn restarted_router_gets_a_fresh_snapshot() {
     for (_, canonical) in lock(&side.mirror).blocks() {
         assert!(view.contains(canonical));
     }
+}
+
+#[tokio::test]
+async fn a_renewed_pod_certificate_is_presented_from_the_next_connection_on() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let tls = ca.material("router", &["127.0.0.1"]).unwrap();
+    let mut router = TestRouter::start(&tls, "127.0.0.1:0", None);
+    let addr = router.addr;
+    let leaf = |name: &str| {
+        let l = ca.issue(name, &[name]).unwrap();
+        let m = TlsMaterial::from_pem(l.cert.as_bytes(), l.key.as_bytes(), ca.ca_pem().as_bytes())
+            .unwrap();
+        (
+            CertificateDer::from_pem_slice(l.cert.as_bytes()).unwrap(),
+            m,
+        )
+    };
+    let (first_der, first) = leaf("pod-0");
+    let (renewed_der, renewed) = leaf("pod-0");
+    let side = start_sidecar(first, &[addr], None);
+    assert_eq!(router.connected_as().await.2, first_der);
+
+    // A renewal reaches the publisher; the connection in progress keeps its keys, the next one
+    // (here: after the router restarted) presents the renewed certificate.
+    side.tls.send_replace(renewed);
+    router.stop().await;
+    let mut router = TestRouter::restart_at(&tls, addr).await;
+    assert_eq!(router.connected_as().await.2, renewed_der);
 }
 
 #[tokio::test]

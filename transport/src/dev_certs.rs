@@ -1,13 +1,13 @@
 //! Throw-away certificate authorities for tests, the demo and local clusters (feature
 //! `dev-certs`). Production certificates come from the operator's PKI (cert-manager in the chart).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
 
-use crate::{TlsMaterial, TransportError};
+use crate::{TlsFiles, TlsMaterial, TransportError};
 
 /// A certificate and its key, PEM-encoded.
 #[derive(Debug, Clone)]
@@ -102,5 +102,66 @@ impl DevCa {
             std::fs::write(dir.join(format!("{name}-key.pem")), leaf.key).map_err(io)?;
         }
         Ok(())
+    }
+}
+
+/// TLS files laid out as the kubelet mounts a Secret — `tls.crt -> ..data/tls.crt`, `..data ->
+/// ..vN` — so tests can renew certificates the way a cluster does. Removed on drop.
+#[derive(Debug)]
+pub struct SecretDir {
+    root: PathBuf,
+    version: u32,
+}
+
+impl SecretDir {
+    /// An empty layout in a fresh folder under the system's temp dir; [`publish`](Self::publish)
+    /// fills it.
+    pub fn new(tag: &str) -> std::io::Result<Self> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let root =
+            std::env::temp_dir().join(format!("kvsight-tls-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&root)?;
+        for name in ["tls.crt", "tls.key", "ca.crt"] {
+            std::os::unix::fs::symlink(Path::new("..data").join(name), root.join(name))?;
+        }
+        Ok(SecretDir { root, version: 0 })
+    }
+
+    /// The three paths a program is configured with.
+    pub fn files(&self) -> TlsFiles {
+        TlsFiles {
+            cert: self.root.join("tls.crt"),
+            key: self.root.join("tls.key"),
+            ca: self.root.join("ca.crt"),
+        }
+    }
+
+    /// What the kubelet does on a Secret update: write a new folder, then swap `..data` to it
+    /// with one rename.
+    pub fn publish(&mut self, cert: &str, key: &str, ca: &str) -> std::io::Result<()> {
+        self.version += 1;
+        let folder = format!("..v{}", self.version);
+        let dir = self.root.join(&folder);
+        std::fs::create_dir(&dir)?;
+        std::fs::write(dir.join("tls.crt"), cert)?;
+        std::fs::write(dir.join("tls.key"), key)?;
+        std::fs::write(dir.join("ca.crt"), ca)?;
+        let tmp = self.root.join("..data_tmp");
+        std::os::unix::fs::symlink(&folder, &tmp)?;
+        std::fs::rename(&tmp, self.root.join("..data"))
+    }
+
+    /// [`publish`](Self::publish) a leaf of `ca` with `ca`'s certificate as the bundle.
+    pub fn publish_leaf(&mut self, leaf: &IssuedPem, ca: &DevCa) -> std::io::Result<()> {
+        self.publish(&leaf.cert, &leaf.key, &ca.ca_pem())
+    }
+}
+
+impl Drop for SecretDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
     }
 }

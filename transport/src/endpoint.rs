@@ -28,23 +28,40 @@ fn transport() -> Arc<quinn::TransportConfig> {
     Arc::new(t)
 }
 
-/// The router's endpoint on an already bound UDP socket (tests bind `127.0.0.1:0`).
-pub fn server(socket: UdpSocket, tls: &TlsMaterial) -> Result<quinn::Endpoint, TransportError> {
+/// The router's QUIC server configuration: this material, kvsight's transport settings. Also
+/// what a certificate reload swaps in (`Endpoint::set_server_config`).
+pub fn server_config(tls: &TlsMaterial) -> Result<quinn::ServerConfig, TransportError> {
     let crypto = QuicServerConfig::try_from(tls.server_config()?)
         .map_err(|e| TransportError::Tls(format!("QUIC server crypto: {e}")))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     cfg.transport_config(transport());
-    let runtime = quinn::default_runtime().ok_or(TransportError::NoRuntime)?;
-    quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(cfg), socket, runtime)
-        .map_err(TransportError::Io)
+    Ok(cfg)
 }
 
-/// The sidecar's endpoint, bound to `bind` (usually `0.0.0.0:0` or `[::]:0`).
-pub fn client(bind: SocketAddr, tls: &TlsMaterial) -> Result<quinn::Endpoint, TransportError> {
+/// The sidecar's QUIC client configuration (see [`server_config`]).
+pub fn client_config(tls: &TlsMaterial) -> Result<quinn::ClientConfig, TransportError> {
     let crypto = QuicClientConfig::try_from(tls.client_config()?)
         .map_err(|e| TransportError::Tls(format!("QUIC client crypto: {e}")))?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
     cfg.transport_config(transport());
+    Ok(cfg)
+}
+
+/// The router's endpoint on an already bound UDP socket (tests bind `127.0.0.1:0`).
+pub fn server(socket: UdpSocket, tls: &TlsMaterial) -> Result<quinn::Endpoint, TransportError> {
+    let runtime = quinn::default_runtime().ok_or(TransportError::NoRuntime)?;
+    quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(server_config(tls)?),
+        socket,
+        runtime,
+    )
+    .map_err(TransportError::Io)
+}
+
+/// The sidecar's endpoint, bound to `bind` (usually `0.0.0.0:0` or `[::]:0`).
+pub fn client(bind: SocketAddr, tls: &TlsMaterial) -> Result<quinn::Endpoint, TransportError> {
+    let cfg = client_config(tls)?;
     let mut endpoint = quinn::Endpoint::client(bind).map_err(TransportError::Io)?;
     endpoint.set_default_client_config(cfg);
     Ok(endpoint)

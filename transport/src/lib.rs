@@ -7,6 +7,7 @@
 //! from the configured CA; nothing else can register an address to receive user traffic.
 
 mod endpoint;
+pub mod files;
 pub mod signal;
 mod stream;
 mod tls;
@@ -14,9 +15,9 @@ mod tls;
 #[cfg(feature = "dev-certs")]
 pub mod dev_certs;
 
-pub use endpoint::{IDLE_TIMEOUT, KEEP_ALIVE, client, server};
+pub use endpoint::{IDLE_TIMEOUT, KEEP_ALIVE, client, client_config, server, server_config};
 pub use stream::{FramedRecv, FramedSend};
-pub use tls::{ALPN, TlsMaterial};
+pub use tls::{ALPN, TlsFiles, TlsMaterial, TlsReload};
 
 use kvsight_protocol::frame::FrameError;
 

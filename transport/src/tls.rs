@@ -5,7 +5,7 @@
 //! same CA and the name it dialled. The crypto provider is chosen explicitly (ring) so a build that
 //! links another provider through some dependency can never make the choice ambiguous at run time.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::RootCertStore;
@@ -14,6 +14,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::TransportError;
+use crate::files::{DirWatch, WatchError, parent_dir, watch_dirs};
 
 /// ALPN protocol id: a peer speaking anything else fails the handshake.
 pub const ALPN: &[u8] = b"kvsight/1";
@@ -105,5 +106,92 @@ impl TlsMaterial {
             .map_err(|e| TransportError::Tls(format!("certificate and key: {e}")))?;
         cfg.alpn_protocols = vec![ALPN.to_vec()];
         Ok(cfg)
+    }
+}
+
+/// Where one side's TLS material lives on disk: usually a mounted Secret (`tls.crt`, `tls.key`,
+/// `ca.crt`) that cert-manager rewrites on every renewal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+/// What one look at changed TLS files did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TlsReload {
+    /// New material is in use for new handshakes.
+    Applied,
+    /// The bytes are the ones in use (an event for another file, or a touch).
+    Unchanged,
+    /// The files do not make usable material (unreadable, not PEM, the key does not match the
+    /// certificate, ...): the material in use stays.
+    Rejected(String),
+}
+
+impl TlsReload {
+    /// The metric label of this outcome.
+    pub fn label(&self) -> &'static str {
+        match self {
+            TlsReload::Applied => "applied",
+            TlsReload::Unchanged => "unchanged",
+            TlsReload::Rejected(_) => "rejected",
+        }
+    }
+}
+
+impl TlsFiles {
+    /// Reads and parses the three files.
+    pub fn load(&self) -> Result<TlsMaterial, TransportError> {
+        TlsMaterial::from_pem_files(&self.cert, &self.key, &self.ca)
+    }
+
+    fn read(&self) -> Option<[Vec<u8>; 3]> {
+        Some([
+            std::fs::read(&self.cert).ok()?,
+            std::fs::read(&self.key).ok()?,
+            std::fs::read(&self.ca).ok()?,
+        ])
+    }
+
+    /// Watches the files and hands every changed, parseable set to `apply`, which builds what it
+    /// needs from it (and so rejects a key that does not match its certificate) and swaps it in.
+    /// `report` hears every outcome. Established connections keep the keys they were set up
+    /// with; only new handshakes use the new material, which is all a renewal needs.
+    ///
+    /// Why: certificates expire. Without this, a cert-manager renewal is invisible to a running
+    /// process, and after the old certificate's end every reconnect (a restarted router, a new
+    /// replica, a network blip) fails the handshake — for the whole fleet at once. Restarting
+    /// model pods to pick up a certificate would reload the model, minutes of GPU time each.
+    pub fn watch(
+        self,
+        mut apply: impl FnMut(TlsMaterial) -> Result<(), TransportError> + Send + 'static,
+        mut report: impl FnMut(&TlsReload) + Send + 'static,
+    ) -> Result<DirWatch, WatchError> {
+        let dirs = [&self.cert, &self.key, &self.ca].map(|p| parent_dir(p));
+        let mut in_use = self.read();
+        watch_dirs(&dirs, move || {
+            let bytes = self.read();
+            let outcome = match &bytes {
+                Some(b) if Some(b) == in_use.as_ref() => TlsReload::Unchanged,
+                // A file missing mid-swap: the next event (the swap's end) brings it back.
+                None => TlsReload::Rejected("a TLS file cannot be read".into()),
+                Some([cert, key, ca]) => {
+                    match TlsMaterial::from_pem(cert, key, ca).and_then(&mut apply) {
+                        Ok(()) => {
+                            in_use = bytes.clone();
+                            tracing::info!(cert = %self.cert.display(), "TLS material reloaded; new handshakes use it");
+                            TlsReload::Applied
+                        }
+                        Err(e) => {
+                            tracing::warn!(cert = %self.cert.display(), error = %e, "TLS files changed but cannot be used; keeping the material in use");
+                            TlsReload::Rejected(e.to_string())
+                        }
+                    }
+                }
+            };
+            report(&outcome);
+        })
     }
 }

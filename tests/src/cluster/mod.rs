@@ -421,6 +421,7 @@ impl Cluster {
             tls: self
                 .ca
                 .material(&format!("router-{index}"), &["127.0.0.1", "localhost"])?,
+            tls_files: None,
             router_id: format!("router-{index}"),
             ready_delay: Duration::ZERO,
             grace: self.config.router_grace,
