@@ -1,6 +1,7 @@
 //! The protocol's hot paths: hashing a prompt, matching a chain against every pod's filter, and
 //! producing + applying a delta. Run with `cargo xtask bench -- --bench protocol` or
-//! `cargo bench -p kvsight-protocol`.
+//! `cargo bench -p kvsight-protocol`; with `--features tokenizer` also tokenize + hash of a ~2k-token
+//! chat with a Llama-3-shaped tokenizer, fast path vs `tokenizers`' full pipeline.
 
 use std::hint::black_box;
 
@@ -139,5 +140,167 @@ fn apply(side: &mut CountingFilter, router: &mut BloomFilter) {
     router.apply_delta(&d).expect("in order");
 }
 
+#[cfg(feature = "tokenizer")]
+mod llama3 {
+    //! A synthetic Llama-3-shaped tokenizer (byte-level BPE with a few thousand merges trained
+    //! here, Llama 3's `Split` pattern and special tokens) and a chat rendered in its format.
+
+    use kvsight_protocol::tokenizer::ModelTokenizer;
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::processors::template::TemplateProcessing;
+    use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+    use super::SplitMix;
+
+    const PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const SYLLABLES: &[&str] = &[
+        "ka", "ro", "mi", "te", "su", "na", "lo", "be", "di", "fu", "ga", "he", "ji", "pe", "qu",
+        "ra", "si", "to", "vi", "we", "xa", "yo", "ze", "an", "el", "in", "on", "ur", "st", "th",
+    ];
+    const PUNCT: &[&str] = &[", ", ". ", "; ", ": ", " (", ") ", "'s ", " - ", "? ", "! "];
+
+    /// One sentence of pseudo-words, numbers and punctuation.
+    fn sentence(rng: &mut SplitMix) -> String {
+        let mut s = String::new();
+        for _ in 0..8 + rng.next() % 10 {
+            let syllables = 1 + rng.next() % 3;
+            let mut word: String = (0..syllables)
+                .map(|_| SYLLABLES[(rng.next() % SYLLABLES.len() as u64) as usize])
+                .collect();
+            if rng.next().is_multiple_of(9) {
+                word = word.to_uppercase();
+            }
+            s.push_str(&word);
+            match rng.next() % 8 {
+                0 => s.push_str(PUNCT[(rng.next() % PUNCT.len() as u64) as usize]),
+                1 => s.push_str(&format!(" {} ", rng.next() % 5000)),
+                _ => s.push(' '),
+            }
+        }
+        s.push_str(".\n");
+        s
+    }
+
+    /// The tokenizer, trained to `vocab_size` on pseudo-text.
+    pub(super) fn tokenizer_json(vocab_size: usize) -> String {
+        let mut tokenizer = Tokenizer::new(BPE::default());
+        let split = Split::new(
+            SplitPattern::Regex(PATTERN.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .expect("pattern");
+        let byte_level = ByteLevel::default()
+            .add_prefix_space(false)
+            .use_regex(false);
+        tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![split.into(), byte_level.into()])));
+        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+            .vocab_size(vocab_size)
+            .show_progress(false)
+            .special_tokens(vec![AddedToken::from("<|begin_of_text|>", true)])
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .build()
+            .into();
+        let mut rng = SplitMix(1);
+        let corpus: Vec<String> = (0..4000).map(|_| sentence(&mut rng)).collect();
+        tokenizer
+            .train(&mut trainer, corpus.into_iter())
+            .expect("train");
+        tokenizer
+            .add_special_tokens(
+                ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+                    .map(|t| AddedToken::from(t, true)),
+            )
+            .expect("special tokens");
+        let post = TemplateProcessing::builder()
+            .try_single("<|begin_of_text|> $A")
+            .expect("single")
+            .special_tokens(vec![("<|begin_of_text|>".to_owned(), 0)])
+            .build()
+            .expect("post-processor");
+        tokenizer.with_post_processor(Some(post));
+        tokenizer.to_string(false).expect("serialize")
+    }
+
+    /// A chat as Llama 3's template renders it: a system prompt of `guidelines` numbered
+    /// guidelines and one question.
+    pub(super) fn chat(guidelines: usize) -> String {
+        let mut rng = SplitMix(2);
+        let mut s = String::from(
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant. Follow these guidelines:\n",
+        );
+        for i in 1..=guidelines {
+            s.push_str(&format!("{i}. {}", sentence(&mut rng)));
+        }
+        s.push_str("<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n");
+        s.push_str(&sentence(&mut rng));
+        s.push_str("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+        s
+    }
+
+    pub(super) fn load(json: &str) -> ModelTokenizer {
+        ModelTokenizer::from_bytes(json.as_bytes(), None).expect("tokenizer")
+    }
+}
+
+/// Tokenize + hash a ~2k-token Llama-3 chat: the fast path against `tokenizers`' full pipeline,
+/// with the BPE word cache warm (one chat repeated) and cold (a fresh tokenizer per iteration).
+#[cfg(feature = "tokenizer")]
+fn tokenize_llama3(c: &mut Criterion) {
+    use criterion::BatchSize;
+    use kvsight_protocol::tokenizer::ModelTokenizer;
+
+    let json = llama3::tokenizer_json(4000);
+    let tok = llama3::load(&json);
+    assert_eq!(tok.fast_path(), Some("byte_level_split"));
+    let chat = llama3::chat(72);
+    let ids = tok.encode(&chat, false).expect("fast");
+    assert_eq!(ids, tok.encode_reference(&chat, false).expect("full"));
+    eprintln!(
+        "llama3-shaped chat: {} tokens, {} bytes, vocab {}",
+        ids.len(),
+        chat.len(),
+        tok.vocab_size()
+    );
+    let seed = ChainSeed::BASE;
+    type Road = fn(&ModelTokenizer, &str) -> Vec<u32>;
+    let roads: [(&str, Road); 2] = [
+        ("fast_path", |t, s| t.encode(s, false).expect("fast")),
+        ("full_pipeline", |t, s| {
+            t.encode_reference(s, false).expect("full")
+        }),
+    ];
+    let mut g = c.benchmark_group(format!(
+        "tokenize_and_hash_llama3_chat_{}_tokens",
+        ids.len()
+    ));
+    for (name, road) in roads {
+        g.bench_function(BenchmarkId::new(name, "warm"), |b| {
+            b.iter(|| hash_chain(&seed, &road(&tok, black_box(&chat)), 16))
+        });
+        g.bench_function(BenchmarkId::new(name, "cold"), |b| {
+            b.iter_batched(
+                || llama3::load(&json),
+                |fresh| hash_chain(&seed, &road(&fresh, black_box(&chat)), 16),
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    g.finish();
+}
+
+#[cfg(feature = "tokenizer")]
+criterion_group!(
+    benches,
+    hash_prompt,
+    longest_prefix,
+    delta_roundtrip,
+    tokenize_llama3
+);
+#[cfg(not(feature = "tokenizer"))]
 criterion_group!(benches, hash_prompt, longest_prefix, delta_roundtrip);
 criterion_main!(benches);

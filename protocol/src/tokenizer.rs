@@ -21,6 +21,7 @@ mod byte_level;
 mod config;
 mod conversation;
 mod sentencepiece;
+mod split;
 mod template;
 
 use byte_level::ByteLevelFastPath;
@@ -30,6 +31,7 @@ use config::{
 };
 use conversation::{conversation, cut_after_final_message};
 use sentencepiece::SentencePieceFastPath;
+use split::SplitFastPath;
 use template::ChatTemplate;
 
 /// Everything that can go wrong building a tokenizer or rendering and encoding a prompt.
@@ -166,6 +168,8 @@ enum FastPath {
     ByteLevel(ByteLevelFastPath),
     /// Sentencepiece-style BPE (Phi-3; Llama 2 and Mistral share the shape, untested).
     SentencePiece(SentencePieceFastPath),
+    /// Byte-level BPE with its own `Split` pattern (Llama 3, Qwen2, GPT-4 style).
+    Split(SplitFastPath),
 }
 
 impl FastPath {
@@ -173,6 +177,7 @@ impl FastPath {
         ByteLevelFastPath::detect(tokenizer)
             .map(Self::ByteLevel)
             .or_else(|| SentencePieceFastPath::detect(tokenizer).map(Self::SentencePiece))
+            .or_else(|| SplitFastPath::detect(tokenizer).map(Self::Split))
     }
 }
 
@@ -314,26 +319,54 @@ impl ModelTokenizer {
     /// Encodes text with or without the post-processor's special tokens.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         match self.fast_path.as_deref() {
-            Some(FastPath::ByteLevel(fast)) => {
-                encode_by_words(&self.tokenizer, text, add_special_tokens, |split, emit| {
-                    fast.words(split, emit)
-                })
-            }
-            Some(FastPath::SentencePiece(fast)) => {
-                encode_by_words(&self.tokenizer, text, add_special_tokens, |split, emit| {
-                    fast.words(split, emit)
-                })
+            Some(FastPath::ByteLevel(fast)) => encode_by_words(
+                &self.tokenizer,
+                None,
+                text,
+                add_special_tokens,
+                |split, emit| fast.words(split, emit),
+            ),
+            Some(FastPath::SentencePiece(fast)) => encode_by_words(
+                &self.tokenizer,
+                None,
+                text,
+                add_special_tokens,
+                |split, emit| fast.words(split, emit),
+            ),
+            Some(FastPath::Split(fast)) => {
+                // A text the fast path cannot split exactly goes to the full pipeline whole.
+                let mut full_pipeline = false;
+                let normalizer = self.tokenizer.get_normalizer();
+                let ids = encode_by_words(
+                    &self.tokenizer,
+                    normalizer,
+                    text,
+                    add_special_tokens,
+                    |split, emit| {
+                        if !full_pipeline {
+                            full_pipeline = fast.words(split, emit)?.is_err();
+                        }
+                        Ok(())
+                    },
+                )?;
+                if full_pipeline {
+                    self.encode_reference(text, add_special_tokens)
+                } else {
+                    Ok(ids)
+                }
             }
             None => self.encode_reference(text, add_special_tokens),
         }
     }
 
     /// Which faster road [`encode`](Self::encode) takes to the same ids (`"byte_level"`,
-    /// `"sentencepiece"`), or `None` when it runs `tokenizers`' full pipeline.
+    /// `"sentencepiece"`, `"byte_level_split"`), or `None` when it runs `tokenizers`' full
+    /// pipeline.
     pub fn fast_path(&self) -> Option<&'static str> {
         self.fast_path.as_deref().map(|fast| match fast {
             FastPath::ByteLevel(_) => "byte_level",
             FastPath::SentencePiece(_) => "sentencepiece",
+            FastPath::Split(_) => "byte_level_split",
         })
     }
 
@@ -428,13 +461,16 @@ impl ModelTokenizer {
 /// Where a fast path's words go: each is merged by the BPE model.
 type WordSink<'a> = dyn FnMut(&str) -> Result<(), TokenizerError> + 'a;
 
-/// What both fast paths share; only how a text becomes words differs. Added tokens are split
-/// off by the crate's own `AddedVocabulary`; `words` cuts each text between them into words the
+/// What the fast paths share; only how a text becomes words differs. Added tokens are split
+/// off by the crate's own `AddedVocabulary`, which also runs `normalizer` on the text between
+/// them exactly as the full pipeline does (a fast path that normalizes by hand passes `None`);
+/// `words` cuts each text between them into words the
 /// BPE model can merge on their own, in the model's alphabet, and passes each to its sink; the
 /// model merges each word (through its cache); the post-processor adds the special tokens by
 /// id (token strings and offsets, which only `Encoding`'s other fields carry, are left empty).
 fn encode_by_words(
     tokenizer: &tokenizers::Tokenizer,
+    normalizer: Option<&tokenizers::NormalizerWrapper>,
     text: &str,
     add_special_tokens: bool,
     mut words: impl FnMut(&str, &mut WordSink<'_>) -> Result<(), TokenizerError>,
@@ -442,7 +478,7 @@ fn encode_by_words(
     let encode_err = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
     let splits = tokenizer
         .get_added_vocabulary()
-        .extract_and_normalize(None::<&tokenizers::NormalizerWrapper>, text);
+        .extract_and_normalize(normalizer, text);
     let model = tokenizer.get_model();
     let mut ids: Vec<u32> = Vec::with_capacity(text.len() / 3);
     for (split, _, added) in splits.get_splits(

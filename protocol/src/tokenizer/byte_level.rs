@@ -117,7 +117,7 @@ impl ByteLevelFastPath {
 
 /// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the other 68 are mapped in
 /// order to U+0100 onwards.
-fn bytes_to_unicode() -> [char; 256] {
+pub(super) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for (byte, slot) in (0u8..=255).zip(table.iter_mut()) {
