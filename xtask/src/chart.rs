@@ -369,13 +369,14 @@ fn install_helm(root: &Path) -> Result<PathBuf> {
 
 type Check = fn(&[Value]) -> std::result::Result<(), String>;
 
-const ASSERTIONS: [(&str, Check); 10] = [
+const ASSERTIONS: [(&str, Check); 11] = [
     ("sidecar-readiness", sidecar_readiness),
     ("vllm-sidecar-agree", vllm_sidecar_agree),
     ("model-netpol", model_netpol),
     ("router-netpol", router_netpol),
     ("router-tls-names", router_tls_names),
     ("tls-secrets-wired", tls_secrets_wired),
+    ("tls-files-renewable", tls_files_renewable),
     ("router-pod", router_pod),
     ("router-config-dir", router_config_dir),
     ("model-termination", model_termination),
@@ -772,6 +773,50 @@ fn tls_secrets_wired(docs: &[Value]) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Every container given TLS files reads them from a directory mount of their Secret, never a
+/// subPath: the kubelet updates a Secret volume by swapping a symlink in the directory, and
+/// the router and sidecar watch that directory to take up cert-manager's renewals without a
+/// restart. A subPath mount keeps the first certificate until it expires.
+fn tls_files_renewable(docs: &[Value]) -> std::result::Result<(), String> {
+    let mut seen = 0;
+    for d in of_kind(docs, "Deployment") {
+        let volumes = d["spec"]["template"]["spec"]["volumes"].as_array();
+        for c in d["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            for key in ["KVSIGHT_TLS_CERT", "KVSIGHT_TLS_KEY", "KVSIGHT_TLS_CA"] {
+                let Some(path) = env(c, key) else { continue };
+                seen += 1;
+                let (dir, _) = path
+                    .rsplit_once('/')
+                    .ok_or_else(|| format!("{key} {path} is not a path"))?;
+                let mount = c["volumeMounts"]
+                    .as_array()
+                    .and_then(|ms| ms.iter().find(|m| m["mountPath"] == dir))
+                    .ok_or_else(|| format!("{}: nothing mounted at {dir} for {key}", name_of(d)))?;
+                if mount.get("subPath").is_some() {
+                    return Err(format!(
+                        "{}: {key} comes from a subPath mount (renewals never arrive)",
+                        name_of(d)
+                    ));
+                }
+                let secret = volumes
+                    .and_then(|vs| vs.iter().find(|v| v["name"] == mount["name"]))
+                    .map(|v| &v["secret"]);
+                if secret.is_none_or(|s| s.is_null()) {
+                    return Err(format!("{}: {dir} is not a Secret volume", name_of(d)));
+                }
+            }
+        }
+    }
+    if seen == 0 {
+        return Err("no container is given TLS files".into());
+    }
+    Ok(())
+}
+
 fn hardened(c: &Value) -> bool {
     let s = &c["securityContext"];
     s["runAsNonRoot"] == true
@@ -955,7 +1000,7 @@ fn set_env(c: &mut Value, key: &str, value: &str) {
     }
 }
 
-const MUTATIONS: [(&str, Mutation); 10] = [
+const MUTATIONS: [(&str, Mutation); 11] = [
     ("sidecar-readiness", |docs| {
         containers(first_model(docs))[1]["readinessProbe"]["httpGet"]["path"] = "/live".into();
     }),
@@ -992,6 +1037,17 @@ const MUTATIONS: [(&str, Mutation); 10] = [
     ("router-pod", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");
         d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 35.into();
+    }),
+    ("tls-files-renewable", |docs| {
+        let sidecar = &mut containers(first_model(docs))[1];
+        let mounts = sidecar["volumeMounts"]
+            .as_array_mut()
+            .expect("sidecar mounts");
+        let tls = mounts
+            .iter_mut()
+            .find(|m| m["mountPath"] == "/etc/kvsight/tls")
+            .expect("the sidecar's TLS mount");
+        tls["subPath"] = "tls.crt".into();
     }),
     ("router-config-dir", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");

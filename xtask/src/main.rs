@@ -16,8 +16,8 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check, clippy -D warnings, every test, chart-check, and build (not run) the benches
-          and fuzz targets
+  ci      fmt check, clippy -D warnings, every test, chart-check, hadolint on the Dockerfile, and
+          build (not run) the benches and fuzz targets
   bench   run the criterion benchmarks (extra arguments go to `cargo bench`)
   demo    start 2 vllm-sim pods, their sidecars and a router on loopback and run the three
           endpoint-picking experiments (flags: --pods N, --json, --serve)
@@ -87,6 +87,11 @@ fn ci(root: &Path) -> Result<()> {
             .env("KVSIGHT_PYTHON", &python),
     )?;
     chart::chart_check(root, &python)?;
+    // The images cannot be built here (no Docker engine); the Dockerfile is at least linted.
+    run(
+        "hadolint Dockerfile",
+        Command::new(python.with_file_name("hadolint")).arg(root.join("Dockerfile")),
+    )?;
     step(
         "cargo bench --no-run",
         &[
