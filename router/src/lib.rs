@@ -134,6 +134,7 @@ pub async fn serve(
         Some(files) => {
             let (ep, st) = (endpoint.clone(), state.clone());
             Some(files.watch(
+                &cfg.tls,
                 move |material| {
                     ep.set_server_config(Some(kvsight_transport::server_config(&material)?));
                     Ok(())

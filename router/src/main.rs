@@ -47,6 +47,10 @@ struct Args {
     /// The CA that signs sidecar certificates (PEM).
     #[arg(long, env = "KVSIGHT_TLS_CA", required_unless_present = "check_config")]
     tls_ca: Option<PathBuf>,
+    /// A DNS name every sidecar certificate must also be valid for (a SAN), on top of chaining
+    /// to --tls-ca. Set it whenever the CA also issues certificates to other workloads.
+    #[arg(long, env = "KVSIGHT_SIDECAR_NAME")]
+    sidecar_name: Option<String>,
     /// Config file (YAML or TOML), reloaded on change. Without it: defaults, no pools.
     #[arg(long, env = "KVSIGHT_CONFIG")]
     config: Option<PathBuf>,
@@ -142,6 +146,12 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
     let tls = tls_files
         .load()
         .map_err(|e| format!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
+    let tls = match &args.sidecar_name {
+        Some(name) => tls
+            .requiring_peer_name(name)
+            .map_err(|e| format!("--sidecar-name: {e}"))?,
+        None => tls,
+    };
     let router_id = args
         .router_id
         .clone()

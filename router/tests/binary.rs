@@ -64,3 +64,26 @@ fn check_config_validates_the_file_only() {
     assert_eq!(unknown.status.code(), Some(64), "{unknown:?}");
     assert!(String::from_utf8_lossy(&unknown.stderr).contains("prefx"));
 }
+
+#[test]
+fn a_sidecar_name_that_is_not_a_dns_name_exits_64_naming_the_flag() {
+    let dir = std::env::temp_dir().join(format!("kvsight-router-name-{}", std::process::id()));
+    let ca = kvsight_transport::dev_certs::DevCa::new("ca").unwrap();
+    ca.write_leaves(&dir, &[("router", &["kvsight-router"])])
+        .unwrap();
+    let p = |f: &str| dir.join(f).display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
+        .args([
+            "--tls-cert",
+            &p("router.pem"),
+            "--tls-key",
+            &p("router-key.pem"),
+        ])
+        .args(["--tls-ca", &p("ca.pem"), "--sidecar-name", "not a name!"])
+        .args(["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--sidecar-name"));
+}

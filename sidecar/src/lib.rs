@@ -238,10 +238,11 @@ async fn start_and_serve(
     // Lives as long as this function: renewed certificates reach the next handshakes.
     let mut _tls_watch = None;
     if let Some(tls) = tls {
-        let (material, current) = tokio::sync::watch::channel(tls);
+        let (material, current) = tokio::sync::watch::channel(tls.clone());
         if let Some(files) = config.tls.clone() {
             let metrics = Arc::clone(&shared.metrics);
             _tls_watch = Some(files.watch(
+                &tls,
                 move |new| {
                     // Built once here only to refuse what a handshake could not use.
                     kvsight_transport::client_config(&new)?;

@@ -194,3 +194,47 @@ async fn garbage_closes_one_connection_and_the_endpoint_carries_on() {
         .unwrap();
     assert_eq!(reply, welcome());
 }
+
+#[tokio::test]
+async fn with_a_pinned_name_a_certificate_of_the_same_ca_for_another_name_is_refused() {
+    // One CA that also signs other workloads' certificates (a shared ClusterIssuer).
+    let ca = DevCa::new("shared-ca").unwrap();
+    let router = ca
+        .material("router", &["kvsight-router"])
+        .unwrap()
+        .requiring_peer_name("kvsight-sidecar.llm")
+        .unwrap();
+    let (addr, mut seen) = spawn_router(&router);
+    let sidecar = ca.material("sidecar", &["kvsight-sidecar.llm"]).unwrap();
+    let reply = tokio::time::timeout(LIMIT, talk(&sidecar, addr, "kvsight-router"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply, welcome());
+    assert_eq!(seen.recv().await.unwrap().unwrap(), hello_frame());
+
+    let other = ca.material("billing", &["billing.payments"]).unwrap();
+    let result = tokio::time::timeout(LIMIT, talk(&other, addr, "kvsight-router"))
+        .await
+        .unwrap();
+    assert!(result.is_err(), "another workload of the CA got {result:?}");
+    let event = tokio::time::timeout(LIMIT, seen.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&event, Err(e) if e.starts_with("handshake")),
+        "{event:?}"
+    );
+}
+
+#[test]
+fn a_pinned_name_that_is_not_a_dns_name_is_a_configuration_error() {
+    let ca = DevCa::new("ca").unwrap();
+    let err = ca
+        .material("router", &["kvsight-router"])
+        .unwrap()
+        .requiring_peer_name("not a name!")
+        .unwrap_err();
+    assert!(err.to_string().contains("peer name"), "{err}");
+}

@@ -29,14 +29,27 @@ fn spawn_router(
     kvsight_transport::files::DirWatch,
     mpsc::UnboundedReceiver<TlsReload>,
 ) {
+    spawn_router_with(dir.files().load().unwrap(), dir)
+}
+
+fn spawn_router_with(
+    material: TlsMaterial,
+    dir: &SecretDir,
+) -> (
+    SocketAddr,
+    quinn::Endpoint,
+    kvsight_transport::files::DirWatch,
+    mpsc::UnboundedReceiver<TlsReload>,
+) {
     let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
     let addr = socket.local_addr().unwrap();
-    let endpoint = server(socket, &dir.files().load().unwrap()).unwrap();
+    let endpoint = server(socket, &material).unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     let ep = endpoint.clone();
     let watch = dir
         .files()
         .watch(
+            &material,
             move |material| {
                 ep.set_server_config(Some(server_config(&material)?));
                 Ok(())
@@ -216,4 +229,61 @@ async fn a_rotated_ca_bundle_changes_which_pods_are_admitted() {
         "a pod certificate of the old CA must no longer be admitted"
     );
     assert!(connect(&old_pod, addr).await.is_err());
+}
+
+#[tokio::test]
+async fn a_renewal_that_landed_before_the_watch_started_is_applied_at_once() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let (first, renewed) = (router_leaf(&ca), router_leaf(&ca));
+    let mut dir = SecretDir::new("early").unwrap();
+    dir.publish_leaf(&first, &ca).unwrap();
+    // Loaded at process start...
+    let in_use = dir.files().load().unwrap();
+    // ...renewed while the process was still starting (no watch yet)...
+    dir.publish_leaf(&renewed, &ca).unwrap();
+    // ...and the watch, when it starts, compares the files with what is in use.
+    let (tx, mut outcomes) = mpsc::unbounded_channel();
+    let _watch = dir
+        .files()
+        .watch(
+            &in_use,
+            |_| Ok(()),
+            move |o| {
+                let _ = tx.send(o.clone());
+            },
+        )
+        .unwrap();
+    let first_look = tokio::time::timeout(LIMIT, outcomes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first_look, TlsReload::Applied);
+}
+
+#[tokio::test]
+async fn a_pinned_sidecar_name_stays_pinned_across_renewals() {
+    let ca = DevCa::new("shared-ca").unwrap();
+    let (first, renewed) = (router_leaf(&ca), router_leaf(&ca));
+    let mut dir = SecretDir::new("pinned").unwrap();
+    dir.publish_leaf(&first, &ca).unwrap();
+    let material = dir
+        .files()
+        .load()
+        .unwrap()
+        .requiring_peer_name("kvsight-sidecar.llm")
+        .unwrap();
+    let (addr, _endpoint, _watch, mut outcomes) = spawn_router_with(material, &dir);
+    let sidecar = ca.material("sidecar", &["kvsight-sidecar.llm"]).unwrap();
+    let other = ca.material("billing", &["billing.payments"]).unwrap();
+    assert!(connect(&sidecar, addr).await.is_ok());
+    assert!(connect(&other, addr).await.is_err());
+
+    dir.publish_leaf(&renewed, &ca).unwrap();
+    assert_eq!(next_outcome(&mut outcomes).await, TlsReload::Applied);
+    let (_conn, presented) = connect(&sidecar, addr).await.unwrap();
+    assert_eq!(presented, der(&renewed.cert));
+    assert!(
+        connect(&other, addr).await.is_err(),
+        "the renewed material must keep the pinned sidecar name"
+    );
 }
