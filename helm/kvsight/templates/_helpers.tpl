@@ -3,17 +3,26 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The prefix of every object name. At most 50 characters: objects append up to 13
+("-router-quic", "-selfsigned") and Service names stop at 63. Too long fails rendering instead
+of being cut, since two cut names could collide. */}}
 {{- define "kvsight.fullname" -}}
+{{- $full := "" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- $full = .Values.fullnameOverride -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
 {{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- $full = .Release.Name -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- $full = printf "%s-%s" .Release.Name $name -}}
 {{- end -}}
 {{- end -}}
+{{- $full = trimSuffix "-" $full -}}
+{{- if gt (len $full) 50 -}}
+{{- fail (printf "the object-name prefix %q is %d characters, over 50 (Service names stop at 63 and objects add suffixes): use a shorter release name or set fullnameOverride" $full (len $full)) -}}
+{{- end -}}
+{{- $full -}}
 {{- end -}}
 
 {{- define "kvsight.labels" -}}
@@ -62,6 +71,15 @@ certificate's dnsNames. */}}
 {{- define "kvsight.image" -}}
 {{- $tag := .image.tag | default .root.Chart.AppVersion -}}
 {{ .image.repository }}:{{ $tag }}
+{{- end -}}
+
+{{/* The name routers require on sidecar certificates (empty: no pin). */}}
+{{- define "kvsight.sidecarName" -}}
+{{- if .Values.tls.sidecarName -}}
+{{- .Values.tls.sidecarName -}}
+{{- else if eq .Values.tls.mode "certManager" -}}
+kvsight-sidecar.{{ .Release.Namespace }}
+{{- end -}}
 {{- end -}}
 
 {{/* TLS Secret names, whichever mode; required values fail rendering here. */}}
@@ -238,13 +256,20 @@ preStop:
       - python3
       - -c
       - |
-        import time, urllib.request
+        import time, urllib.error, urllib.request
+        # No proxy: GPU clusters often set http_proxy for model downloads; loopback must not use it.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         start = time.time()
         time.sleep({{ $min }})
         while time.time() - start < {{ $max }}:
             try:
-                urllib.request.urlopen("http://127.0.0.1:{{ int $v.sidecar.port }}/live", timeout=1)
-            except Exception:
-                break
+                opener.open("http://127.0.0.1:{{ int $v.sidecar.port }}/live", timeout=1).close()
+            except urllib.error.URLError as e:
+                # Refused: the sidecar has exited, its drain is over. Anything else (an HTTP
+                # error, a slow answer) is not an exit: keep waiting.
+                if isinstance(e.reason, ConnectionRefusedError):
+                    break
+            except OSError:
+                pass
             time.sleep(1)
 {{- end -}}

@@ -1,6 +1,6 @@
 //! A faster road to the same ids for byte-level BPE tokenizers whose words come from their own
 //! `Split` pattern: `pre_tokenizer: Sequence[Split{Regex(P), Isolated, invert: false},
-//! ByteLevel{add_prefix_space: false, use_regex: false}]` — Llama 3, Qwen2, DeepSeek, GPT-4
+//! ByteLevel{add_prefix_space: false, use_regex: false}]` — Llama 3, Qwen2, GPT-4
 //! style. Any normalizer (Qwen2's NFC) is run by the crate itself, where its pipeline runs it.
 //!
 //! Why: `tokenizers` runs `P` in the backtracking `fancy-regex` VM, because P's
