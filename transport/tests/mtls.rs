@@ -85,6 +85,26 @@ async fn talk(
     Ok(reply)
 }
 
+/// `pod` gets no answer, and the router saw a failed handshake (not a bad frame).
+async fn assert_refused_at_handshake(
+    pod: &TlsMaterial,
+    addr: SocketAddr,
+    seen: &mut tokio::sync::mpsc::UnboundedReceiver<Result<SidecarMessage, String>>,
+) {
+    let result = tokio::time::timeout(LIMIT, talk(pod, addr, "kvsight-router"))
+        .await
+        .unwrap();
+    assert!(result.is_err(), "a refused pod got {result:?}");
+    let event = tokio::time::timeout(LIMIT, seen.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&event, Err(e) if e.starts_with("handshake")),
+        "{event:?}"
+    );
+}
+
 #[tokio::test]
 async fn certificates_from_the_ca_are_admitted() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
@@ -114,18 +134,7 @@ async fn a_pod_certificate_from_another_ca_never_gets_a_stream() {
         ca.ca_pem().as_bytes(),
     )
     .unwrap();
-    let result = tokio::time::timeout(LIMIT, talk(&pod, addr, "kvsight-router"))
-        .await
-        .unwrap();
-    assert!(result.is_err(), "rogue pod got {result:?}");
-    let event = tokio::time::timeout(LIMIT, seen.recv())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(&event, Err(e) if e.starts_with("handshake")),
-        "{event:?}"
-    );
+    assert_refused_at_handshake(&pod, addr, &mut seen).await;
 }
 
 #[tokio::test]
@@ -214,18 +223,7 @@ async fn with_a_pinned_name_a_certificate_of_the_same_ca_for_another_name_is_ref
     assert_eq!(seen.recv().await.unwrap().unwrap(), hello_frame());
 
     let other = ca.material("billing", &["billing.payments"]).unwrap();
-    let result = tokio::time::timeout(LIMIT, talk(&other, addr, "kvsight-router"))
-        .await
-        .unwrap();
-    assert!(result.is_err(), "another workload of the CA got {result:?}");
-    let event = tokio::time::timeout(LIMIT, seen.recv())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(&event, Err(e) if e.starts_with("handshake")),
-        "{event:?}"
-    );
+    assert_refused_at_handshake(&other, addr, &mut seen).await;
 }
 
 #[test]

@@ -132,20 +132,49 @@ fn router_leaf(ca: &DevCa) -> IssuedPem {
     ca.issue("router", &[ROUTER_NAME]).unwrap()
 }
 
+/// A router serving the first of two leaves of one CA from a Secret-like folder, watched.
+struct Router {
+    ca: DevCa,
+    first: IssuedPem,
+    second: IssuedPem,
+    dir: SecretDir,
+    addr: SocketAddr,
+    outcomes: mpsc::UnboundedReceiver<TlsReload>,
+    _endpoint: quinn::Endpoint,
+    _watch: kvsight_transport::files::DirWatch,
+}
+
+impl Router {
+    fn start(tag: &str) -> Router {
+        let ca = DevCa::new("kvsight-test-ca").unwrap();
+        let (first, second) = (router_leaf(&ca), router_leaf(&ca));
+        let mut dir = SecretDir::new(tag).unwrap();
+        dir.publish_leaf(&first, &ca).unwrap();
+        let (addr, endpoint, watch, outcomes) = spawn_router(&dir);
+        Router {
+            ca,
+            first,
+            second,
+            dir,
+            addr,
+            outcomes,
+            _endpoint: endpoint,
+            _watch: watch,
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_renewed_router_certificate_is_used_by_new_handshakes_and_old_connections_stay() {
-    let ca = DevCa::new("kvsight-test-ca").unwrap();
-    let (first, renewed) = (router_leaf(&ca), router_leaf(&ca));
-    let mut dir = SecretDir::new("renew").unwrap();
-    dir.publish_leaf(&first, &ca).unwrap();
-    let (addr, _endpoint, _watch, mut outcomes) = spawn_router(&dir);
+    let mut r = Router::start("renew");
+    let (ca, first, renewed, addr) = (&r.ca, &r.first, &r.second, r.addr);
     let pod = ca.material("pod-a", &["pod-a"]).unwrap();
 
     let (old_conn, presented) = connect(&pod, addr).await.unwrap();
     assert_eq!(presented, der(&first.cert));
 
-    dir.publish_leaf(&renewed, &ca).unwrap();
-    assert_eq!(next_outcome(&mut outcomes).await, TlsReload::Applied);
+    r.dir.publish_leaf(renewed, ca).unwrap();
+    assert_eq!(next_outcome(&mut r.outcomes).await, TlsReload::Applied);
     let (_new_conn, presented) = connect(&pod, addr).await.unwrap();
     assert_eq!(
         presented,
@@ -161,33 +190,31 @@ async fn a_renewed_router_certificate_is_used_by_new_handshakes_and_old_connecti
 
 #[tokio::test]
 async fn files_that_cannot_be_used_are_refused_and_the_material_in_use_stays() {
-    let ca = DevCa::new("kvsight-test-ca").unwrap();
-    let (good, other) = (router_leaf(&ca), router_leaf(&ca));
-    let mut dir = SecretDir::new("reject").unwrap();
-    dir.publish_leaf(&good, &ca).unwrap();
-    let (addr, _endpoint, _watch, mut outcomes) = spawn_router(&dir);
+    let mut r = Router::start("reject");
+    let (ca, good, other, addr) = (&r.ca, &r.first, &r.second, r.addr);
     let pod = ca.material("pod-a", &["pod-a"]).unwrap();
 
     // A certificate with another certificate's key: parseable PEM, unusable pair.
-    dir.publish(&other.cert, &good.key, &ca.ca_pem()).unwrap();
-    let outcome = next_outcome(&mut outcomes).await;
+    r.dir.publish(&other.cert, &good.key, &ca.ca_pem()).unwrap();
+    let outcome = next_outcome(&mut r.outcomes).await;
     assert!(
         matches!(&outcome, TlsReload::Rejected(why) if why.contains("key")),
         "{outcome:?}"
     );
     // Not PEM at all.
-    dir.publish("not a certificate", &good.key, &ca.ca_pem())
+    r.dir
+        .publish("not a certificate", &good.key, &ca.ca_pem())
         .unwrap();
     assert!(matches!(
-        next_outcome(&mut outcomes).await,
+        next_outcome(&mut r.outcomes).await,
         TlsReload::Rejected(_)
     ));
     let (_conn, presented) = connect(&pod, addr).await.unwrap();
     assert_eq!(presented, der(&good.cert), "the material in use must stay");
 
     // The next good renewal still goes through.
-    dir.publish_leaf(&other, &ca).unwrap();
-    assert_eq!(next_outcome(&mut outcomes).await, TlsReload::Applied);
+    r.dir.publish_leaf(other, ca).unwrap();
+    assert_eq!(next_outcome(&mut r.outcomes).await, TlsReload::Applied);
     let (_conn, presented) = connect(&pod, addr).await.unwrap();
     assert_eq!(presented, der(&other.cert));
 }

@@ -26,8 +26,7 @@ const WORD_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{
 pub(super) struct ByteLevelFastPath {
     words: Regex,
     add_prefix_space: bool,
-    /// GPT-2's `bytes_to_unicode`: the character each byte is written as before BPE.
-    byte_chars: [char; 256],
+    alphabet: ByteAlphabet,
 }
 
 impl ByteLevelFastPath {
@@ -48,7 +47,7 @@ impl ByteLevelFastPath {
             // The pattern is a constant known to compile; `None` (no fast path) would only cost speed.
             words: Regex::new(WORD_PATTERN).ok()?,
             add_prefix_space: *add_prefix_space,
-            byte_chars: bytes_to_unicode(),
+            alphabet: ByteAlphabet::new(),
         })
     }
 
@@ -64,8 +63,7 @@ impl ByteLevelFastPath {
         };
         let mut word = String::new();
         self.for_each_word(split, |w| {
-            word.clear();
-            word.extend(w.bytes().map(|b| self.byte_chars[usize::from(b)]));
+            self.alphabet.write(w, &mut word);
             emit(&word)
         })
     }
@@ -115,23 +113,35 @@ impl ByteLevelFastPath {
     }
 }
 
-/// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the other 68 are mapped in
-/// order to U+0100 onwards.
-pub(super) fn bytes_to_unicode() -> [char; 256] {
-    let mut table = ['\0'; 256];
-    let mut next = 256u32;
-    for (byte, slot) in (0u8..=255).zip(table.iter_mut()) {
-        let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        let code = if printable {
-            u32::from(byte)
-        } else {
-            next += 1;
-            next - 1
-        };
-        // All codes are below U+0200, valid scalar values.
-        *slot = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
+/// GPT-2's `bytes_to_unicode`: the character each byte is written as before byte-level BPE.
+/// Printable bytes stand for themselves, the other 68 are mapped in order to U+0100 onwards.
+#[derive(Debug)]
+pub(super) struct ByteAlphabet([char; 256]);
+
+impl ByteAlphabet {
+    pub(super) fn new() -> Self {
+        let mut table = ['\0'; 256];
+        let mut next = 256u32;
+        for (byte, slot) in (0u8..=255).zip(table.iter_mut()) {
+            let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+            let code = if printable {
+                u32::from(byte)
+            } else {
+                next += 1;
+                next - 1
+            };
+            // All codes are below U+0200, valid scalar values.
+            *slot = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
+        }
+        ByteAlphabet(table)
     }
-    table
+
+    /// `piece` written in the alphabet, into `word` (cleared first, so one buffer serves a
+    /// whole text).
+    pub(super) fn write(&self, piece: &str, word: &mut String) {
+        word.clear();
+        word.extend(piece.bytes().map(|b| self.0[usize::from(b)]));
+    }
 }
 
 #[cfg(test)]
@@ -267,7 +277,9 @@ mod tests {
         let fast = ByteLevelFastPath::detect(&byte_level_tokenizer()).expect("fast path");
         let mut out = Vec::new();
         fast.for_each_word(text, |w| {
-            out.push(w.bytes().map(|b| fast.byte_chars[usize::from(b)]).collect());
+            let mut word = String::new();
+            fast.alphabet.write(w, &mut word);
+            out.push(word);
             Ok(())
         })
         .expect("split");
@@ -324,7 +336,7 @@ mod tests {
 
     #[test]
     fn byte_table_is_byte_levels_alphabet() {
-        let table = bytes_to_unicode();
+        let table = ByteAlphabet::new().0;
         let mut chars: Vec<char> = table.to_vec();
         chars.sort_unstable();
         chars.dedup();

@@ -29,7 +29,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use super::byte_level::bytes_to_unicode;
+use super::byte_level::ByteAlphabet;
 use super::{TokenizerError, WordSink};
 
 /// The one alternative the `regex` engine cannot run; [`SplitFastPath::lookahead_at`] runs it.
@@ -50,7 +50,7 @@ pub(super) struct SplitFastPath {
     /// `\s+`, from the same Unicode tables as the pattern's own `\s`.
     whitespace: Regex,
     /// GPT-2's `bytes_to_unicode`, applied by the `ByteLevel` step.
-    byte_chars: [char; 256],
+    alphabet: ByteAlphabet,
 }
 
 /// Why a text goes to the full pipeline instead (see the module doc).
@@ -89,7 +89,7 @@ impl SplitFastPath {
             before: plain_regex(&before)?,
             after: plain_regex(&after)?,
             whitespace: Regex::new(r"\s+").ok()?,
-            byte_chars: bytes_to_unicode(),
+            alphabet: ByteAlphabet::new(),
         })
     }
 
@@ -102,8 +102,7 @@ impl SplitFastPath {
     ) -> Result<Result<(), FullPipeline>, TokenizerError> {
         let mut word = String::new();
         self.for_each_piece(split, |piece| {
-            word.clear();
-            word.extend(piece.bytes().map(|b| self.byte_chars[usize::from(b)]));
+            self.alphabet.write(piece, &mut word);
             emit(&word)
         })
     }
