@@ -319,13 +319,11 @@ impl ModelTokenizer {
     /// Encodes text with or without the post-processor's special tokens.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         match self.fast_path.as_deref() {
-            Some(FastPath::ByteLevel(fast)) => encode_by_words(
-                &self.tokenizer,
-                None,
-                text,
-                add_special_tokens,
-                |split, emit| fast.words(split, emit),
-            ),
+            Some(FastPath::ByteLevel(fast)) => {
+                self.encode_or_fall_back(None, text, add_special_tokens, |split, emit| {
+                    fast.words(split, emit)
+                })
+            }
             Some(FastPath::SentencePiece(fast)) => encode_by_words(
                 &self.tokenizer,
                 None,
@@ -333,29 +331,45 @@ impl ModelTokenizer {
                 add_special_tokens,
                 |split, emit| fast.words(split, emit),
             ),
-            Some(FastPath::Split(fast)) => {
-                // A text the fast path cannot split exactly goes to the full pipeline whole.
-                let mut full_pipeline = false;
-                let normalizer = self.tokenizer.get_normalizer();
-                let ids = encode_by_words(
-                    &self.tokenizer,
-                    normalizer,
-                    text,
-                    add_special_tokens,
-                    |split, emit| {
-                        if !full_pipeline {
-                            full_pipeline = fast.words(split, emit)?.is_err();
-                        }
-                        Ok(())
-                    },
-                )?;
-                if full_pipeline {
-                    self.encode_reference(text, add_special_tokens)
-                } else {
-                    Ok(ids)
-                }
-            }
+            Some(FastPath::Split(fast)) => self.encode_or_fall_back(
+                self.tokenizer.get_normalizer(),
+                text,
+                add_special_tokens,
+                |split, emit| fast.words(split, emit),
+            ),
             None => self.encode_reference(text, add_special_tokens),
+        }
+    }
+
+    /// [`encode_by_words`] with a fast path that may hand a text over: then the whole text goes
+    /// to the full pipeline.
+    fn encode_or_fall_back(
+        &self,
+        normalizer: Option<&tokenizers::NormalizerWrapper>,
+        text: &str,
+        add_special_tokens: bool,
+        mut words: impl FnMut(
+            &str,
+            &mut WordSink<'_>,
+        ) -> Result<Result<(), FullPipeline>, TokenizerError>,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let mut full_pipeline = false;
+        let ids = encode_by_words(
+            &self.tokenizer,
+            normalizer,
+            text,
+            add_special_tokens,
+            |split, emit| {
+                if !full_pipeline {
+                    full_pipeline = words(split, emit)?.is_err();
+                }
+                Ok(())
+            },
+        )?;
+        if full_pipeline {
+            self.encode_reference(text, add_special_tokens)
+        } else {
+            Ok(ids)
         }
     }
 
@@ -457,6 +471,18 @@ impl ModelTokenizer {
         self.encode(&prompt, false)
     }
 }
+
+/// Why a fast path hands a text to the full pipeline instead: its ids would not be exact there.
+#[derive(Debug, PartialEq, Eq)]
+struct FullPipeline;
+
+/// Whitespace runs of this many bytes or more go to the full pipeline. The lookahead
+/// alternative `\s+(?!\S)` of the byte-level patterns runs in fancy-regex's backtracking VM,
+/// which pushes one entry per character of `\s+` and gives up at 1,000,000 entries: past that,
+/// `tokenizers` stops splitting the text (measured: 1,200,000 spaces between two letters give
+/// 2 words there, 3 on a fast path; 600,000 give 3 on both). A run this long has at most this
+/// many characters, so every shorter run is safe with a wide margin.
+const LONG_WHITESPACE_RUN: usize = 100_000;
 
 /// Where a fast path's words go: each is merged by the BPE model.
 type WordSink<'a> = dyn FnMut(&str) -> Result<(), TokenizerError> + 'a;

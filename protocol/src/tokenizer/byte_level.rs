@@ -15,7 +15,7 @@ use regex_automata::{Anchored, Input};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{PreTokenizerWrapper, Tokenizer};
 
-use super::{TokenizerError, WordSink};
+use super::{FullPipeline, LONG_WHITESPACE_RUN, TokenizerError, WordSink};
 
 /// `ByteLevel`'s pattern (`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`)
 /// without the lookahead alternative, whose effect [`ByteLevelFastPath::for_each_word`] restores.
@@ -53,7 +53,11 @@ impl ByteLevelFastPath {
 
     /// Passes each word of one text between added tokens to `emit`, written in GPT-2's byte
     /// alphabet as the model expects (the rest is [`super::encode_by_words`]).
-    pub(super) fn words(&self, split: &str, emit: &mut WordSink<'_>) -> Result<(), TokenizerError> {
+    pub(super) fn words(
+        &self,
+        split: &str,
+        emit: &mut WordSink<'_>,
+    ) -> Result<Result<(), FullPipeline>, TokenizerError> {
         let prefixed;
         let split = if self.add_prefix_space && !split.starts_with(' ') {
             prefixed = format!(" {split}");
@@ -76,17 +80,25 @@ impl ByteLevelFastPath {
     /// or symbol); where the pattern tries `\s+(?!\S)` first, a run of two or more whitespace
     /// characters followed by a non-space gives back its last character, which then starts
     /// the next word (e.g. `"  hi"` → `" "`, `" hi"`).
+    ///
+    /// A whitespace run of [`LONG_WHITESPACE_RUN`] bytes or more: the text needs the full
+    /// pipeline (the reference itself splits differently there).
     fn for_each_word(
         &self,
         text: &str,
         mut f: impl FnMut(&str) -> Result<(), TokenizerError>,
-    ) -> Result<(), TokenizerError> {
+    ) -> Result<Result<(), FullPipeline>, TokenizerError> {
         let mut start = 0;
         while start < text.len() {
             let input = Input::new(text).range(start..).anchored(Anchored::Yes);
             let end = match self.words.find(input) {
                 Some(found) => {
                     let matched = &text[start..found.end()];
+                    if matched.len() >= LONG_WHITESPACE_RUN
+                        && matched.chars().next_back().is_some_and(char::is_whitespace)
+                    {
+                        return Ok(Err(FullPipeline));
+                    }
                     match matched.chars().next_back() {
                         Some(last)
                             if found.end() < text.len()
@@ -109,7 +121,7 @@ impl ByteLevelFastPath {
             f(&text[start..end])?;
             start = end;
         }
-        Ok(())
+        Ok(Ok(()))
     }
 }
 
@@ -274,6 +286,11 @@ mod tests {
     }
 
     fn words(text: &str) -> Vec<String> {
+        words_or_handed_over(text).expect("the fast path splits this text itself")
+    }
+
+    /// The fast path's words, or `None` when it hands the text to the full pipeline.
+    fn words_or_handed_over(text: &str) -> Option<Vec<String>> {
         let fast = ByteLevelFastPath::detect(&byte_level_tokenizer()).expect("fast path");
         let mut out = Vec::new();
         fast.for_each_word(text, |w| {
@@ -282,8 +299,9 @@ mod tests {
             out.push(word);
             Ok(())
         })
-        .expect("split");
-        out
+        .expect("split")
+        .ok()?;
+        Some(out)
     }
 
     /// The words `ByteLevel` itself produces (byte-mapped), the reference for [`words`].
@@ -332,6 +350,21 @@ mod tests {
         metaspace.with_pre_tokenizer(Some(Metaspace::default()));
         assert!(ByteLevelFastPath::detect(&metaspace).is_none());
         assert!(ByteLevelFastPath::detect(&plain()).is_none());
+    }
+
+    #[test]
+    fn a_whitespace_run_the_reference_cannot_split_goes_to_the_full_pipeline() {
+        let long = format!("a{}b", " ".repeat(LONG_WHITESPACE_RUN));
+        assert_eq!(words_or_handed_over(&long), None);
+        let short = format!("a{}b", " ".repeat(LONG_WHITESPACE_RUN - 1));
+        assert_eq!(words(&short), reference_words(&short));
+        // Through `encode`: the handed-over text gets the pipeline's own ids.
+        let tok = model_tokenizer(false);
+        let text = format!("x{}y z", "\n".repeat(LONG_WHITESPACE_RUN));
+        assert_eq!(
+            tok.encode(&text, true).unwrap(),
+            tok.encode_reference(&text, true).unwrap()
+        );
     }
 
     #[test]

@@ -30,15 +30,10 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 use super::byte_level::ByteAlphabet;
-use super::{TokenizerError, WordSink};
+use super::{FullPipeline, LONG_WHITESPACE_RUN, TokenizerError, WordSink};
 
 /// The one alternative the `regex` engine cannot run; [`SplitFastPath::lookahead_at`] runs it.
 const LOOKAHEAD: &str = r"\s+(?!\S)";
-
-/// Whitespace runs of this many bytes or more go to the full pipeline: fancy-regex pushes one
-/// backtrack entry per character of `\s+` and fails at 1,000,000 entries; a run this long has
-/// at most this many characters, so every run shorter than it is safe with a wide margin.
-const LONG_WHITESPACE_RUN: usize = 100_000;
 
 /// Encodes text with a `Split`-pattern byte-level BPE tokenizer without `fancy-regex`.
 #[derive(Debug)]
@@ -52,10 +47,6 @@ pub(super) struct SplitFastPath {
     /// GPT-2's `bytes_to_unicode`, applied by the `ByteLevel` step.
     alphabet: ByteAlphabet,
 }
-
-/// Why a text goes to the full pipeline instead (see the module doc).
-#[derive(Debug, PartialEq, Eq)]
-pub(super) struct FullPipeline;
 
 impl SplitFastPath {
     /// The fast path when `tokenizer` is exactly the shape it reproduces, else `None`.
