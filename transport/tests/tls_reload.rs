@@ -19,28 +19,21 @@ fn der(pem: &str) -> CertificateDer<'static> {
     CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
 }
 
-/// A router endpoint whose material comes from `dir` and is reloaded from it; every reload
-/// outcome arrives on the returned channel.
+/// A router endpoint whose material comes from `dir` (requiring the sidecar name `pinned`, if
+/// any) and is reloaded from it; every reload outcome arrives on the returned channel.
 fn spawn_router(
     dir: &SecretDir,
+    pinned: Option<&str>,
 ) -> (
     SocketAddr,
     quinn::Endpoint,
     kvsight_transport::files::DirWatch,
     mpsc::UnboundedReceiver<TlsReload>,
 ) {
-    spawn_router_with(dir.files().load().unwrap(), dir)
-}
-
-fn spawn_router_with(
-    material: TlsMaterial,
-    dir: &SecretDir,
-) -> (
-    SocketAddr,
-    quinn::Endpoint,
-    kvsight_transport::files::DirWatch,
-    mpsc::UnboundedReceiver<TlsReload>,
-) {
+    let mut material = dir.files().load().unwrap();
+    if let Some(name) = pinned {
+        material = material.requiring_peer_name(name).unwrap();
+    }
     let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
     let addr = socket.local_addr().unwrap();
     let endpoint = server(socket, &material).unwrap();
@@ -150,7 +143,7 @@ impl Router {
         let (first, second) = (router_leaf(&ca), router_leaf(&ca));
         let mut dir = SecretDir::new(tag).unwrap();
         dir.publish_leaf(&first, &ca).unwrap();
-        let (addr, endpoint, watch, outcomes) = spawn_router(&dir);
+        let (addr, endpoint, watch, outcomes) = spawn_router(&dir, None);
         Router {
             ca,
             first,
@@ -228,7 +221,7 @@ async fn a_rotated_ca_bundle_changes_which_pods_are_admitted() {
     let first = router_leaf(&old_ca);
     let mut dir = SecretDir::new("rotate").unwrap();
     dir.publish_leaf(&first, &old_ca).unwrap();
-    let (addr, _endpoint, _watch, mut outcomes) = spawn_router(&dir);
+    let (addr, _endpoint, _watch, mut outcomes) = spawn_router(&dir, None);
     let old_pod = old_ca.material("pod-old", &["pod-old"]).unwrap();
     let new_pod = new_ca.material("pod-new", &["pod-new"]).unwrap();
     assert!(connect(&old_pod, addr).await.is_ok());
@@ -293,13 +286,7 @@ async fn a_pinned_sidecar_name_stays_pinned_across_renewals() {
     let (first, renewed) = (router_leaf(&ca), router_leaf(&ca));
     let mut dir = SecretDir::new("pinned").unwrap();
     dir.publish_leaf(&first, &ca).unwrap();
-    let material = dir
-        .files()
-        .load()
-        .unwrap()
-        .requiring_peer_name("kvsight-sidecar.llm")
-        .unwrap();
-    let (addr, _endpoint, _watch, mut outcomes) = spawn_router_with(material, &dir);
+    let (addr, _endpoint, _watch, mut outcomes) = spawn_router(&dir, Some("kvsight-sidecar.llm"));
     let sidecar = ca.material("sidecar", &["kvsight-sidecar.llm"]).unwrap();
     let other = ca.material("billing", &["billing.payments"]).unwrap();
     assert!(connect(&sidecar, addr).await.is_ok());

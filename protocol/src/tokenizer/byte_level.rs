@@ -4,29 +4,28 @@
 //! Why: `tokenizers` runs the pre-tokenizer through `NormalizedString`s — every word gets its
 //! own string plus a per-byte alignment table, and the GPT-2 pattern's `\s+(?!\S)` lookahead
 //! forces the backtracking `fancy-regex` VM. For a 2,300-token chat that is ~2 ms of the ~2.5 ms
-//! encode, while the BPE merges themselves (cached) take ~0.2 ms. Here the words are found with
-//! the linear-time `regex` crate and the lookahead is applied by hand; everything else is the
-//! crate's own code: added tokens are split off by its `AddedVocabulary`, each word is merged
-//! by its model, and its post-processor adds the special tokens. Tokenizers of any other shape
-//! keep the crate's full pipeline. `tests` below compare both roads on adversarial text.
+//! encode, while the BPE merges themselves (cached) take ~0.2 ms. The built-in pattern has the
+//! shape `split.rs` runs exactly (plain alternatives around the one lookahead), so the words are
+//! found by that module's matcher; this module adds only `ByteLevel`'s own prefix space.
+//! Everything else is the crate's own code: added tokens are split off by its
+//! `AddedVocabulary`, each word is merged by its model, and its post-processor adds the special
+//! tokens. `tests` below compare both roads on adversarial text.
 
-use regex_automata::meta::Regex;
-use regex_automata::{Anchored, Input};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{PreTokenizerWrapper, Tokenizer};
 
-use super::{FullPipeline, LONG_WHITESPACE_RUN, TokenizerError, WordSink};
+use super::split::SplitFastPath;
+use super::{FullPipeline, TokenizerError, WordSink};
 
-/// `ByteLevel`'s pattern (`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`)
-/// without the lookahead alternative, whose effect [`ByteLevelFastPath::for_each_word`] restores.
-const WORD_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+/// `ByteLevel`'s built-in pattern (GPT-2's).
+const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// Encodes text with a byte-level BPE tokenizer without the `NormalizedString` machinery.
 #[derive(Debug)]
 pub(super) struct ByteLevelFastPath {
-    words: Regex,
+    words: SplitFastPath,
     add_prefix_space: bool,
-    alphabet: ByteAlphabet,
 }
 
 impl ByteLevelFastPath {
@@ -44,15 +43,16 @@ impl ByteLevelFastPath {
             return None;
         };
         Some(Self {
-            // The pattern is a constant known to compile; `None` (no fast path) would only cost speed.
-            words: Regex::new(WORD_PATTERN).ok()?,
+            // The pattern is a constant of the accepted shape; `None` (no fast path) would only
+            // cost speed, and a test asserts the fast path is taken.
+            words: SplitFastPath::for_pattern(GPT2_PATTERN)?,
             add_prefix_space: *add_prefix_space,
-            alphabet: ByteAlphabet::new(),
         })
     }
 
     /// Passes each word of one text between added tokens to `emit`, written in GPT-2's byte
-    /// alphabet as the model expects (the rest is [`super::encode_by_words`]).
+    /// alphabet as the model expects (the rest is [`super::encode_by_words`]), or says the text
+    /// needs the full pipeline.
     pub(super) fn words(
         &self,
         split: &str,
@@ -65,94 +65,7 @@ impl ByteLevelFastPath {
         } else {
             split
         };
-        let mut word = String::new();
-        self.for_each_word(split, |w| {
-            self.alphabet.write(w, &mut word);
-            emit(&word)
-        })
-    }
-
-    /// Calls `f` with each word of `text` as `ByteLevel`'s pattern splits it.
-    ///
-    /// Every character matches some alternative, so consecutive matches tile `text` and each
-    /// search is anchored where the previous word ended (a forward scan only). A match
-    /// ending in whitespace came from the `\s+` alternative (the others end in a letter, digit
-    /// or symbol); where the pattern tries `\s+(?!\S)` first, a run of two or more whitespace
-    /// characters followed by a non-space gives back its last character, which then starts
-    /// the next word (e.g. `"  hi"` → `" "`, `" hi"`).
-    ///
-    /// A whitespace run of [`LONG_WHITESPACE_RUN`] bytes or more: the text needs the full
-    /// pipeline (the reference itself splits differently there).
-    fn for_each_word(
-        &self,
-        text: &str,
-        mut f: impl FnMut(&str) -> Result<(), TokenizerError>,
-    ) -> Result<Result<(), FullPipeline>, TokenizerError> {
-        let mut start = 0;
-        while start < text.len() {
-            let input = Input::new(text).range(start..).anchored(Anchored::Yes);
-            let end = match self.words.find(input) {
-                Some(found) => {
-                    let matched = &text[start..found.end()];
-                    if matched.len() >= LONG_WHITESPACE_RUN
-                        && matched.chars().next_back().is_some_and(char::is_whitespace)
-                    {
-                        return Ok(Err(FullPipeline));
-                    }
-                    match matched.chars().next_back() {
-                        Some(last)
-                            if found.end() < text.len()
-                                && last.is_whitespace()
-                                && matched.len() > last.len_utf8() =>
-                        {
-                            found.end() - last.len_utf8()
-                        }
-                        _ => found.end(),
-                    }
-                }
-                None => start,
-            };
-            // Defensive: the pattern tiles the text, but never loop or skip if it did not.
-            if end <= start {
-                return Err(TokenizerError::Encode(format!(
-                    "byte-level pre-tokenizer lost its place at byte {start}"
-                )));
-            }
-            f(&text[start..end])?;
-            start = end;
-        }
-        Ok(Ok(()))
-    }
-}
-
-/// GPT-2's `bytes_to_unicode`: the character each byte is written as before byte-level BPE.
-/// Printable bytes stand for themselves, the other 68 are mapped in order to U+0100 onwards.
-#[derive(Debug)]
-pub(super) struct ByteAlphabet([char; 256]);
-
-impl ByteAlphabet {
-    pub(super) fn new() -> Self {
-        let mut table = ['\0'; 256];
-        let mut next = 256u32;
-        for (byte, slot) in (0u8..=255).zip(table.iter_mut()) {
-            let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-            let code = if printable {
-                u32::from(byte)
-            } else {
-                next += 1;
-                next - 1
-            };
-            // All codes are below U+0200, valid scalar values.
-            *slot = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
-        }
-        ByteAlphabet(table)
-    }
-
-    /// `piece` written in the alphabet, into `word` (cleared first, so one buffer serves a
-    /// whole text).
-    pub(super) fn write(&self, piece: &str, word: &mut String) {
-        word.clear();
-        word.extend(piece.bytes().map(|b| self.0[usize::from(b)]));
+        self.words.words(split, emit)
     }
 }
 
@@ -169,6 +82,7 @@ mod tests {
     };
 
     use super::*;
+    use crate::tokenizer::LONG_WHITESPACE_RUN;
     use crate::tokenizer::ModelTokenizer;
 
     /// Text that exercises every alternative of the pattern: contractions, letters and digits of
@@ -293,10 +207,8 @@ mod tests {
     fn words_or_handed_over(text: &str) -> Option<Vec<String>> {
         let fast = ByteLevelFastPath::detect(&byte_level_tokenizer()).expect("fast path");
         let mut out = Vec::new();
-        fast.for_each_word(text, |w| {
-            let mut word = String::new();
-            fast.alphabet.write(w, &mut word);
-            out.push(word);
+        fast.words(text, &mut |w: &str| {
+            out.push(w.to_owned());
             Ok(())
         })
         .expect("split")
@@ -304,7 +216,6 @@ mod tests {
         Some(out)
     }
 
-    /// The words `ByteLevel` itself produces (byte-mapped), the reference for [`words`].
     fn reference_words(text: &str) -> Vec<String> {
         let mut pre = PreTokenizedString::from(text);
         ByteLevel::default()
@@ -365,20 +276,6 @@ mod tests {
             tok.encode(&text, true).unwrap(),
             tok.encode_reference(&text, true).unwrap()
         );
-    }
-
-    #[test]
-    fn byte_table_is_byte_levels_alphabet() {
-        let table = ByteAlphabet::new().0;
-        let mut chars: Vec<char> = table.to_vec();
-        chars.sort_unstable();
-        chars.dedup();
-        assert_eq!(chars.len(), 256, "the table is a bijection");
-        let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
-        alphabet.sort_unstable();
-        assert_eq!(chars, alphabet);
-        assert_eq!(table[usize::from(b' ')], 'Ġ');
-        assert_eq!(table[usize::from(b'\n')], 'Ċ');
     }
 
     fn fragment_text() -> impl Strategy<Value = String> {

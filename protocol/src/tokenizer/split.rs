@@ -29,7 +29,6 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use super::byte_level::ByteAlphabet;
 use super::{FullPipeline, LONG_WHITESPACE_RUN, TokenizerError, WordSink};
 
 /// The one alternative the `regex` engine cannot run; [`SplitFastPath::lookahead_at`] runs it.
@@ -74,7 +73,7 @@ impl SplitFastPath {
     }
 
     /// The fast path for a `Split` pattern, if it has the shape this module can run exactly.
-    fn for_pattern(pattern: &str) -> Option<Self> {
+    pub(super) fn for_pattern(pattern: &str) -> Option<Self> {
         let (before, after) = around_lookahead(pattern)?;
         Some(Self {
             before: plain_regex(&before)?,
@@ -329,6 +328,37 @@ fn repetition_ok(chars: &mut Chars<'_>) -> Option<()> {
     chars.next_if(|&(_, c)| c == '}').map(|_| ())
 }
 
+/// GPT-2's `bytes_to_unicode`: the character each byte is written as before byte-level BPE.
+/// Printable bytes stand for themselves, the other 68 are mapped in order to U+0100 onwards.
+#[derive(Debug)]
+pub(super) struct ByteAlphabet([char; 256]);
+
+impl ByteAlphabet {
+    pub(super) fn new() -> Self {
+        let mut table = ['\0'; 256];
+        let mut next = 256u32;
+        for (byte, slot) in (0u8..=255).zip(table.iter_mut()) {
+            let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+            let code = if printable {
+                u32::from(byte)
+            } else {
+                next += 1;
+                next - 1
+            };
+            // All codes are below U+0200, valid scalar values.
+            *slot = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
+        }
+        ByteAlphabet(table)
+    }
+
+    /// `piece` written in the alphabet, into `word` (cleared first, so one buffer serves a
+    /// whole text).
+    pub(super) fn write(&self, piece: &str, word: &mut String) {
+        word.clear();
+        word.extend(piece.bytes().map(|b| self.0[usize::from(b)]));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -343,6 +373,20 @@ mod tests {
 
     use super::*;
     use crate::tokenizer::ModelTokenizer;
+
+    #[test]
+    fn byte_table_is_byte_levels_alphabet() {
+        let table = ByteAlphabet::new().0;
+        let mut chars: Vec<char> = table.to_vec();
+        chars.sort_unstable();
+        chars.dedup();
+        assert_eq!(chars.len(), 256, "the table is a bijection");
+        let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        alphabet.sort_unstable();
+        assert_eq!(chars, alphabet);
+        assert_eq!(table[usize::from(b' ')], 'Ġ');
+        assert_eq!(table[usize::from(b'\n')], 'Ċ');
+    }
 
     const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
