@@ -298,6 +298,37 @@ async fn sse_framing_matches_vllm() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--stream-interval 4` as vLLM's output processor: the first token alone, then chunks of four,
+/// the rest with the finish; the usage still counts every token.
+#[tokio::test]
+async fn stream_interval_batches_tokens_after_the_first() -> anyhow::Result<()> {
+    let p = pod(SimConfig {
+        stream_interval: 4,
+        ..details_config()
+    })
+    .await;
+    let r = post_json(
+        p.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7], "max_tokens": 10, "stream": true, "ignore_eos": true,
+                "stream_options": {"include_usage": true}}),
+    )
+    .await?;
+    assert_eq!(r.status, 200);
+    let events = r.sse_events()?;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e))
+        .collect::<Result<_, _>>()?;
+    // 1 + 4 + 4 + 1 tokens, then the usage chunk.
+    assert_eq!(chunks.len(), 5, "{events:?}");
+    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[2]["choices"][0]["finish_reason"], Value::Null);
+    assert_eq!(chunks[4]["usage"]["completion_tokens"], 10);
+    Ok(())
+}
+
 #[tokio::test]
 async fn chat_tokenize_models_health_version() -> anyhow::Result<()> {
     let p = pod(SimConfig {

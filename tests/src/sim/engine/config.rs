@@ -17,6 +17,10 @@ pub struct CostModel {
     pub decode_base: Duration,
     /// Extra cost per request scheduled in the step (batch size). Default 100 µs.
     pub decode_per_seq: Duration,
+    /// Extra cost per KV token the step's requests attend to (each scheduled request's context:
+    /// computed tokens plus the tokens scheduled): reading the KV cache makes a decode step of
+    /// long contexts slower than one of short ones. Default zero.
+    pub decode_per_kv_token: Duration,
     /// Paid once per new shape bucket (scheduled tokens padded to a power of two), like a
     /// first-time torch.compile / CUDA-graph capture. Default 500 ms; zero disables it.
     pub compile_stall: Duration,
@@ -28,6 +32,7 @@ impl Default for CostModel {
             prefill_tokens_per_s: 10_000.0,
             decode_base: Duration::from_millis(10),
             decode_per_seq: Duration::from_micros(100),
+            decode_per_kv_token: Duration::ZERO,
             compile_stall: Duration::from_millis(500),
         }
     }
@@ -221,6 +226,8 @@ impl EngineConfigBuilder {
         decode_base: Duration => cost.decode_base;
         /// Sets [`CostModel::decode_per_seq`].
         decode_per_seq: Duration => cost.decode_per_seq;
+        /// Sets [`CostModel::decode_per_kv_token`].
+        decode_per_kv_token: Duration => cost.decode_per_kv_token;
         /// Sets [`CostModel::compile_stall`].
         compile_stall: Duration => cost.compile_stall;
         /// Sets [`EngineConfig::time_scale`].

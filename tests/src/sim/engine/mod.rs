@@ -399,8 +399,19 @@ impl Engine {
         };
         if !scheduled.is_empty() {
             let decodes = scheduled.iter().filter(|s| s.2).count();
-            let (duration, compiled) =
-                self.step_cost(out.num_scheduled_tokens, decodes, scheduled.len());
+            // Every scheduled request attends to its whole context so far.
+            let kv_tokens: usize = scheduled
+                .iter()
+                .filter_map(|&(slot, n, _)| {
+                    self.slots[slot].as_ref().map(|r| r.num_computed_tokens + n)
+                })
+                .sum();
+            let (duration, compiled) = self.step_cost(
+                out.num_scheduled_tokens,
+                decodes,
+                scheduled.len(),
+                kv_tokens,
+            );
             out.duration = duration;
             out.compiled_new_bucket = compiled;
             self.stats.steps += 1;
@@ -428,9 +439,15 @@ impl Engine {
     }
 
     /// Simulated cost of a step scheduling `tokens` tokens for `batch` requests, `decodes` of
-    /// them single-token decodes. Returns the scaled duration and whether a new shape bucket was
-    /// compiled.
-    fn step_cost(&mut self, tokens: usize, decodes: usize, batch: usize) -> (Duration, bool) {
+    /// them single-token decodes, attending to `kv_tokens` in all. Returns the scaled duration and
+    /// whether a new shape bucket was compiled.
+    fn step_cost(
+        &mut self,
+        tokens: usize,
+        decodes: usize,
+        batch: usize,
+        kv_tokens: usize,
+    ) -> (Duration, bool) {
         let cost = &self.config.cost;
         let prefill_tokens = tokens - decodes;
         let prefill =
@@ -440,9 +457,13 @@ impl Engine {
             .decode_per_seq
             .checked_mul(u32::try_from(batch).unwrap_or(u32::MAX))
             .unwrap_or(Duration::MAX);
+        let attention =
+            Duration::try_from_secs_f64(cost.decode_per_kv_token.as_secs_f64() * kv_tokens as f64)
+                .unwrap_or(Duration::MAX);
         let mut total = cost
             .decode_base
             .saturating_add(per_seq)
+            .saturating_add(attention)
             .saturating_add(prefill);
         // Engines pad the batch to a captured shape; the first time a shape is seen it compiles.
         let compiled = self.seen_buckets.insert(tokens.next_power_of_two());

@@ -60,6 +60,10 @@ pub struct Args {
     /// vLLM's KV-events JSON, e.g. `{"enable_kv_cache_events":true,"publisher":"zmq"}`.
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// Streamed outputs carry this many tokens each (the first token alone), as vLLM's
+    /// `--stream-interval`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub stream_interval: u32,
     /// Report `usage.prompt_tokens_details.cached_tokens`.
     #[arg(long)]
     pub enable_prompt_tokens_details: bool,
@@ -76,6 +80,9 @@ pub struct Args {
     /// Simulator: extra step cost per scheduled request, microseconds.
     #[arg(long, default_value_t = 100.0)]
     pub decode_per_seq_us: f64,
+    /// Simulator: extra step cost per KV token the step's requests attend to, nanoseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub decode_per_kv_token_ns: f64,
     /// Simulator: stall the first time a shape bucket is seen, milliseconds (0 = off).
     #[arg(long, default_value_t = 500.0)]
     pub compile_stall_ms: f64,
@@ -218,6 +225,11 @@ impl Args {
             .prefill_tokens_per_s(self.prefill_tokens_per_s)
             .decode_base(ms("decode-base-ms", self.decode_base_ms, 1e3)?)
             .decode_per_seq(ms("decode-per-seq-us", self.decode_per_seq_us, 1e6)?)
+            .decode_per_kv_token(ms(
+                "decode-per-kv-token-ns",
+                self.decode_per_kv_token_ns,
+                1e9,
+            )?)
             .compile_stall(ms("compile-stall-ms", self.compile_stall_ms, 1e3)?)
             .time_scale(self.time_scale)
             .seed(self.seed)
@@ -269,6 +281,7 @@ impl Args {
             kv_events,
             enable_prompt_tokens_details: self.enable_prompt_tokens_details,
             tokenizer,
+            stream_interval: self.stream_interval as usize,
         })
     }
 }

@@ -88,6 +88,8 @@ struct InFlight {
     prompt_len: usize,
     lora: Option<String>,
     started: bool,
+    /// Tokens generated but not yet delivered (`--stream-interval` above 1).
+    held: Option<RequestOutput>,
 }
 
 /// The task state. See the module docs.
@@ -99,6 +101,9 @@ pub(crate) struct Driver {
     in_flight: HashMap<String, InFlight>,
     hung: bool,
     slowdown: f64,
+    /// vLLM's `--stream-interval`: after the first token, outputs are delivered once this many
+    /// tokens accumulated, or when the request finishes.
+    stream_interval: usize,
 }
 
 impl Driver {
@@ -107,6 +112,7 @@ impl Driver {
         commands: mpsc::UnboundedReceiver<Command>,
         shared: Arc<Shared>,
         publisher: Option<Arc<KvEventPublisher>>,
+        stream_interval: usize,
     ) -> Self {
         Self {
             engine,
@@ -116,6 +122,7 @@ impl Driver {
             in_flight: HashMap::new(),
             hung: false,
             slowdown: 1.0,
+            stream_interval: stream_interval.max(1),
         }
     }
 
@@ -165,6 +172,7 @@ impl Driver {
                                 prompt_len,
                                 lora,
                                 started: false,
+                                held: None,
                             },
                         );
                     }
@@ -234,10 +242,26 @@ impl Driver {
         for output in out.outputs {
             let id = output.id.clone();
             let finished = output.finished.is_some();
-            let delivered = match self.in_flight.get(&id) {
-                Some(req) => req.sink.send(Event::Output(output)).is_ok(),
-                None => continue,
+            let Some(req) = self.in_flight.get_mut(&id) else {
+                continue;
             };
+            // vLLM's output processor with `stream_interval > 1`: the first token at once, then
+            // every `stream_interval` tokens, and whatever is left when the request finishes.
+            let output = match req.held.take() {
+                Some(mut held) => {
+                    held.new_token_ids.extend_from_slice(&output.new_token_ids);
+                    held.finished = output.finished;
+                    held.num_cached_tokens = output.num_cached_tokens;
+                    held
+                }
+                None => output,
+            };
+            if !finished && !output.first_token && output.new_token_ids.len() < self.stream_interval
+            {
+                req.held = Some(output);
+                continue;
+            }
+            let delivered = req.sink.send(Event::Output(output)).is_ok();
             if finished {
                 self.in_flight.remove(&id);
             } else if !delivered {

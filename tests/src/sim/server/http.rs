@@ -431,15 +431,18 @@ impl Submitted {
     ) -> Response {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         tokio::spawn(async move {
-            if let Some(first) = first
-                && tx.send(data(&first)).await.is_err()
-            {
-                self.abort_rest(&choices);
-                return;
-            }
+            // vLLM sends the first chunk (chat's role) on the engine's first output, not on
+            // admission: a client's time to first chunk is its time to first token.
+            let mut first = first;
             loop {
                 match self.next(&mut choices).await {
                     Ok(Some((i, text))) => {
+                        if let Some(f) = first.take()
+                            && tx.send(data(&f)).await.is_err()
+                        {
+                            self.abort_rest(&choices);
+                            return;
+                        }
                         let c = chunk(&self, i, &text, choices[i].finish);
                         if tx.send(data(&c)).await.is_err() {
                             self.abort_rest(&choices);

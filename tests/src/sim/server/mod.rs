@@ -54,6 +54,9 @@ pub struct SimConfig {
     /// `--tokenizer DIR`'s content (`tokenizer.json`, `tokenizer_config.json`); `None` = the
     /// built-in byte-level codec. Default `None`.
     pub tokenizer: Option<TokenizerFiles>,
+    /// `--stream-interval`: streamed outputs carry this many tokens (the first one alone).
+    /// Default 1.
+    pub stream_interval: usize,
 }
 
 /// The two files vLLM reads from a model directory to tokenize and render chats.
@@ -94,6 +97,7 @@ impl Default for SimConfig {
             kv_events: None,
             enable_prompt_tokens_details: false,
             tokenizer: None,
+            stream_interval: 1,
         }
     }
 }
@@ -283,7 +287,14 @@ async fn serve(config: SimConfig) -> Result<(Running, Serving), StartError> {
     let (commands, rx) = mpsc::unbounded_channel();
     // The driver ends with the runtime; nothing needs its handle.
     drop(tokio::spawn(
-        driver::Driver::new(engine, rx, shared.clone(), publisher.clone()).run(),
+        driver::Driver::new(
+            engine,
+            rx,
+            shared.clone(),
+            publisher.clone(),
+            config.stream_interval,
+        )
+        .run(),
     ));
     let state = http::AppState::new(
         config,
