@@ -581,6 +581,7 @@ impl CountingFilter {
             version: self.version,
             resident_blocks: self.keys,
             toggles,
+            age_ms: None,
         })
     }
 }

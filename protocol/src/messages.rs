@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::bloom::FilterParams;
 
 /// Version of everything in this crate that crosses the wire, including the canonical hash.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Sidecar → router.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -208,6 +208,10 @@ pub struct CacheDelta {
     /// blocks costs about N × 8 bytes whatever the filter's size.
     #[serde(with = "gaps")]
     pub toggles: Vec<u32>,
+    /// Milliseconds from the engine publishing the oldest KV event this delta carries to the
+    /// delta leaving the sidecar (both clocks are the pod's), when known. The router adds half
+    /// the round trip for the view's staleness, without comparing clocks across machines.
+    pub age_ms: Option<u32>,
 }
 
 /// Asks for the tokenizer of a model.

@@ -60,7 +60,9 @@ fn version_mismatch_names_both_versions_even_when_the_rest_is_unreadable() {
         }
     );
     assert!(
-        err.to_string().contains("version 1") && err.to_string().contains("version 9"),
+        err.to_string()
+            .contains(&format!("version {PROTOCOL_VERSION}"))
+            && err.to_string().contains("version 9"),
         "{err}"
     );
     // And a well-formed message of another version is refused too.
@@ -115,6 +117,7 @@ fn unsorted_delta_positions_are_refused_on_decode() {
         version: 1,
         resident_blocks: 0,
         toggles: vec![10, 3],
+        age_ms: None,
     });
     let bytes = frame::encode(&d).unwrap();
     assert!(matches!(
@@ -168,6 +171,7 @@ fn filters_refuse_bad_snapshots_and_out_of_order_deltas() {
         version: 3,
         resident_blocks: 0,
         toggles: vec![0, 2 * 512],
+        age_ms: None,
     };
     assert!(matches!(
         router.apply_delta(&bad),

@@ -132,14 +132,21 @@ fn sidecar_message() -> impl Strategy<Value = SidecarMessage> {
                     }
                 )
             ),
-        (any::<u64>(), any::<u64>(), sorted_unique(u32::MAX)).prop_map(|(b, r, toggles)| {
-            SidecarMessage::CacheDelta(CacheDelta {
-                base_version: b,
-                version: b.wrapping_add(1),
-                resident_blocks: r,
-                toggles,
-            })
-        }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            sorted_unique(u32::MAX),
+            any::<Option<u32>>()
+        )
+            .prop_map(|(b, r, toggles, age_ms)| {
+                SidecarMessage::CacheDelta(CacheDelta {
+                    base_version: b,
+                    version: b.wrapping_add(1),
+                    resident_blocks: r,
+                    toggles,
+                    age_ms,
+                })
+            }),
         (
             text(),
             text(),

@@ -25,6 +25,8 @@ pub struct Metrics {
     pub pick_seconds: Histogram,
     pub prefix_match_ratio: Histogram,
     pub tokenize_seconds: Histogram,
+    /// A KV event published by an engine → visible in this router's filter of that pod.
+    pub view_staleness_seconds: Histogram,
     pub retries: Family<Labels, Counter>,
     pub stream_cuts: Family<Labels, Counter>,
     pub config_reloads: Family<Labels, Counter>,
@@ -63,6 +65,7 @@ impl Metrics {
             pick_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 20)),
             prefix_match_ratio: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]),
             tokenize_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 18)),
+            view_staleness_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 16)),
             retries: Family::default(),
             stream_cuts: Family::default(),
             config_reloads: Family::default(),
@@ -96,6 +99,11 @@ impl Metrics {
             "kvsight_router_tokenize_seconds",
             "Time to tokenize and hash a prompt",
             m.tokenize_seconds.clone(),
+        );
+        prom.register(
+            "kvsight_router_view_staleness_seconds",
+            "A KV event published by an engine until this router's filter of that pod shows it (the sidecar's age of the delta plus half the QUIC round trip)",
+            m.view_staleness_seconds.clone(),
         );
         prom.register(
             "kvsight_router_retries",

@@ -203,7 +203,17 @@ async fn session(
                         state.registry().apply_snapshot(key, conn_id, &s)
                     }
                     SidecarMessage::CacheDelta(d) => {
-                        state.registry().apply_delta(key, conn_id, &d)
+                        let applied = state.registry().apply_delta(key, conn_id, &d);
+                        // Engine publish → sidecar send (the sidecar's clock), plus half the
+                        // round trip → applied here.
+                        if let (Ok(()), Some(age)) = (&applied, d.age_ms) {
+                            let transit = conn.rtt().as_secs_f64() / 2.0;
+                            state
+                                .metrics
+                                .view_staleness_seconds
+                                .observe(f64::from(age) / 1000.0 + transit);
+                        }
+                        applied
                     }
                     SidecarMessage::TokenizerChunk(c) => {
                         match assembler.push(c) {

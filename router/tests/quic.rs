@@ -191,6 +191,7 @@ async fn a_sidecar_registers_reports_and_leaves() {
         version: 1001,
         resident_blocks: 1,
         toggles: vec![1],
+        age_ms: None,
     };
     sc.send
         .send(&SidecarMessage::CacheDelta(gap))

@@ -4,8 +4,11 @@
 //!
 //! `unrouted` = vLLM's running + waiting − Σ routers' in-flight for this pod, never negative:
 //! load no router sent (benchmarks run with `kubectl exec`, warm-up, other gateways). The
-//! prefill rate is an estimate: prefilled tokens (vLLM's `request_prefill_kv_computed_tokens`
-//! sum, else prompt tokens) per second of wall time, smoothed, over intervals with prefill work.
+//! prefill rate is the rate at which the engine works off its queue: prefilled tokens (vLLM's
+//! `request_prefill_kv_computed_tokens` sum, else prompt tokens) per second of wall time,
+//! smoothed, over intervals during which requests were waiting throughout. Routers turn a queue
+//! into a time with it; an interval with an empty queue says how much work arrived, not how fast
+//! the engine can do it, so it is left out.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,28 +20,30 @@ use crate::engine::VllmClient;
 use crate::scrape::EngineMetrics;
 use crate::state::{LoadSample, Shared};
 
-/// Smoothed prefill throughput from successive counter samples.
+/// Smoothed prefill throughput of a busy engine, from successive counter samples.
 #[derive(Debug, Default, Clone)]
 pub struct PrefillRate {
-    last: Option<(Instant, f64)>,
+    /// The previous sample: when, the prefilled-token counter, whether requests were waiting.
+    last: Option<(Instant, f64, bool)>,
     rate: Option<f64>,
 }
 
 impl PrefillRate {
-    /// Feeds one sample of the cumulative prefilled-token counter taken at `at`.
-    pub fn update(&mut self, at: Instant, tokens: f64) -> Option<f32> {
-        if let Some((t0, n0)) = self.last {
+    /// Feeds one sample of the cumulative prefilled-token counter taken at `at`, and whether
+    /// requests were waiting then. Only intervals with a queue at both ends count.
+    pub fn update(&mut self, at: Instant, tokens: f64, queued: bool) -> Option<f32> {
+        if let Some((t0, n0, was_queued)) = self.last {
             let dt = at.saturating_duration_since(t0).as_secs_f64();
             let dn = tokens - n0;
             // A counter that went back is a restarted engine: start over.
             if dn < 0.0 {
                 self.rate = None;
-            } else if dn > 0.0 && dt > 0.0 {
+            } else if was_queued && queued && dn > 0.0 && dt > 0.0 {
                 let now = dn / dt;
                 self.rate = Some(self.rate.map_or(now, |r| 0.7 * r + 0.3 * now));
             }
         }
-        self.last = Some((at, tokens));
+        self.last = Some((at, tokens, queued));
         self.rate.map(|r| r as f32)
     }
 }
@@ -112,7 +117,7 @@ pub async fn run_load(
                         }
                         let at = Instant::now();
                         let tokens = m.prefill_computed_tokens_sum.unwrap_or(m.prompt_tokens);
-                        rate.update(at, tokens);
+                        rate.update(at, tokens, m.waiting > 0.0);
                         last = Some((at, m));
                     }
                     Err(e) => {
@@ -202,16 +207,23 @@ mod tests {
     }
 
     #[test]
-    fn prefill_rate_from_deltas() {
+    fn prefill_rate_from_deltas_while_queued() {
         let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
         let mut r = PrefillRate::default();
-        assert_eq!(r.update(t0, 0.0), None);
-        let got = r.update(t0 + Duration::from_secs(1), 1000.0).unwrap();
+        assert_eq!(r.update(at(0), 0.0, true), None);
+        let got = r.update(at(1), 1000.0, true).unwrap();
         assert!((got - 1000.0).abs() < 1e-3);
         // Idle interval keeps the estimate.
-        let got = r.update(t0 + Duration::from_secs(2), 1000.0).unwrap();
+        let got = r.update(at(2), 1000.0, true).unwrap();
+        assert!((got - 1000.0).abs() < 1e-3);
+        // Work done without a queue at both ends says how much arrived, not how fast the engine
+        // is: ignored.
+        let got = r.update(at(3), 1100.0, false).unwrap();
+        assert!((got - 1000.0).abs() < 1e-3);
+        let got = r.update(at(4), 1150.0, true).unwrap();
         assert!((got - 1000.0).abs() < 1e-3);
         // Counter reset forgets it.
-        assert_eq!(r.update(t0 + Duration::from_secs(3), 10.0), None);
+        assert_eq!(r.update(at(5), 10.0, true), None);
     }
 }

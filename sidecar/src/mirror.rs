@@ -25,6 +25,7 @@ use std::collections::HashMap;
 
 use kvsight_protocol::bloom::{CountingFilter, DEFAULT_FP_RATE, FilterError, FilterParams};
 use kvsight_protocol::hash::{ChainSeed, block_hash};
+use kvsight_protocol::messages::CacheDelta;
 use rmpv::Value;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -53,6 +54,9 @@ pub struct Mirror {
     /// vLLM hash key → canonical hash.
     blocks: HashMap<u64, u64>,
     stats: MirrorStats,
+    /// When the engine published the oldest batch applied since the last delta was taken
+    /// (vLLM's `ts`, seconds since the Unix epoch by the pod's clock).
+    oldest_unsent: Option<f64>,
 }
 
 impl Mirror {
@@ -66,6 +70,7 @@ impl Mirror {
             filter: CountingFilter::new(params)?,
             blocks: HashMap::new(),
             stats: MirrorStats::default(),
+            oldest_unsent: None,
         })
     }
 
@@ -80,6 +85,28 @@ impl Mirror {
             }
             Event::Unknown(_) => self.stats.unknown_events += 1,
         }
+    }
+
+    /// Notes that a batch the engine published at `ts` (seconds since the Unix epoch) was
+    /// applied; the next delta carries the age of the oldest such batch.
+    pub fn note_batch(&mut self, ts: f64) {
+        if ts.is_finite() && self.oldest_unsent.is_none_or(|t| ts < t) {
+            self.oldest_unsent = Some(ts);
+        }
+    }
+
+    /// Takes the filter's delta, stamped with its age at `now` (seconds since the Unix epoch):
+    /// how long ago the engine published the oldest change it carries. An age that is negative
+    /// or over an hour says the engine's timestamps are not this clock's: left out.
+    pub fn take_delta(&mut self, now: f64) -> Option<CacheDelta> {
+        let mut delta = self.filter.take_delta()?;
+        if let Some(ts) = self.oldest_unsent.take() {
+            let age = now - ts;
+            delta.age_ms = (0.0..3600.0)
+                .contains(&age)
+                .then(|| (age * 1000.0).round() as u32);
+        }
+        Some(delta)
     }
 
     /// Forgets everything (history lost); counters are kept.

@@ -118,7 +118,10 @@ impl Publisher {
                 _ = tick.tick() => {}
             }
             let mut mirror = lock(&self.mirror);
-            if let Some(delta) = mirror.filter_mut().take_delta() {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            if let Some(delta) = mirror.take_delta(now) {
                 tracing::trace!(
                     version = delta.version,
                     receivers = self.deltas.receiver_count(),

@@ -167,3 +167,22 @@ fn multimodal_and_id_only_lora_blocks_are_never_matched() {
     let view = router_view(&mut m);
     assert_eq!(view.longest_prefix(&hash_chain(&ChainSeed::BASE, &p, B)), 0);
 }
+
+/// A delta carries how long ago the engine published the oldest change in it: the router turns
+/// that into the view's staleness without comparing clocks across machines.
+#[test]
+fn a_delta_carries_the_age_of_its_oldest_change() {
+    let mut m = Mirror::new(1000).unwrap();
+    let p = prompt();
+    m.apply(&Event::Stored(stored(&[1, 2], None, &p[..2 * B])));
+    m.note_batch(100.25);
+    m.apply(&Event::Stored(stored(&[3], Some(2), &p[2 * B..3 * B])));
+    m.note_batch(100.5);
+    let d = m.take_delta(100.75).expect("blocks stored");
+    assert_eq!(d.age_ms, Some(500), "from the older batch");
+    // Nothing changed since: no delta. A change stamped by a clock that is not ours: no age.
+    assert!(m.take_delta(101.0).is_none());
+    m.apply(&Event::Stored(stored(&[4], Some(3), &p[3 * B..])));
+    m.note_batch(5000.0);
+    assert_eq!(m.take_delta(101.0).unwrap().age_ms, None);
+}

@@ -399,6 +399,9 @@ impl KvSubscriber {
                         cleared |= matches!(event, Event::AllCleared);
                         mirror.apply(event);
                     }
+                    if !batch.events.is_empty() {
+                        mirror.note_batch(batch.ts);
+                    }
                 }
                 Err(e) => {
                     mirror.count_malformed();
