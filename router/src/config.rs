@@ -82,6 +82,9 @@ pub struct Weights {
     /// Lower predicted time to first token (queue + uncached prefill) scores higher. Off by
     /// default: it rewards cached prefixes too, so `prefix: 0` alone would not spread traffic.
     pub predicted_latency: f64,
+    /// LMetric's product of the prompt tokens the pod must compute and its batch size (running +
+    /// waiting): lower scores higher. Off by default.
+    pub lmetric: f64,
     /// The pod picked longest ago scores higher: the tie-breaker.
     pub lru: f64,
 }
@@ -95,6 +98,7 @@ impl Default for Weights {
             running_requests: 1.0,
             lora_affinity: 1.0,
             predicted_latency: 0.0,
+            lmetric: 0.0,
             lru: 0.1,
         }
     }
@@ -102,7 +106,7 @@ impl Default for Weights {
 
 impl Weights {
     /// Every weight with its config name.
-    pub fn named(&self) -> [(&'static str, f64); 7] {
+    pub fn named(&self) -> [(&'static str, f64); 8] {
         [
             ("prefix", self.prefix),
             ("queue", self.queue),
@@ -110,6 +114,7 @@ impl Weights {
             ("runningRequests", self.running_requests),
             ("loraAffinity", self.lora_affinity),
             ("predictedLatency", self.predicted_latency),
+            ("lmetric", self.lmetric),
             ("lru", self.lru),
         ]
     }

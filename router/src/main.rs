@@ -63,6 +63,11 @@ struct Args {
     /// Seconds between /ready turning 503 and closing the listener.
     #[arg(long, env = "KVSIGHT_READY_DELAY_SECONDS", default_value_t = 0.0)]
     ready_delay_seconds: f64,
+    /// Never build tokenizers from the files sidecars offer: models without a tokenizer in
+    /// --config are routed in approximate mode (router-side memory of what it sent). For
+    /// comparing the two modes, or where only configured tokenizers may run.
+    #[arg(long, env = "KVSIGHT_NO_SIDECAR_TOKENIZERS")]
+    no_sidecar_tokenizers: bool,
     /// Only parse and validate --config, print `OK` or the error, exit 0 or 64 (like `nginx -t`).
     #[arg(long, requires = "config")]
     check_config: bool,
@@ -164,7 +169,8 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
         router_id,
         ready_delay: secs("ready-delay-seconds", args.ready_delay_seconds)?,
         grace: secs("grace-seconds", args.grace_seconds)?,
-        tokenizer_loader: Some(kvsight_router::tokenize::default_loader()),
+        tokenizer_loader: (!args.no_sidecar_tokenizers)
+            .then(kvsight_router::tokenize::default_loader),
     })
 }
 

@@ -29,15 +29,29 @@ pub struct LoadSample {
     pub sampled_at: Instant,
 }
 
+/// What a pick adds to its pod, for [`Registry::record_pick`].
+#[derive(Debug, Clone, Copy)]
+pub struct Picked<'a> {
+    /// KV blocks the prompt newly occupies.
+    pub new_blocks: u32,
+    /// Prompt tokens the pod is predicted to compute.
+    pub uncached_tokens: u32,
+    /// The prompt's chain, remembered as pending (empty when the pod caches nothing).
+    pub chain: &'a [u64],
+}
+
 /// A request this router sent to the pod, remembered until a load sample includes it.
 #[derive(Debug, Clone, Copy)]
 struct Sent {
     at: Instant,
     new_blocks: u32,
-    /// Blocks of every send up to and including this one (a running total), so the sum over
-    /// the sends after a cutoff is one subtraction: a pick reads every pod's projection, and a
-    /// busy pod can have thousands of sends inside the admission lag.
+    /// Prompt tokens the pod was predicted to compute (not found in its cache).
+    uncached_tokens: u32,
+    /// Blocks and uncached tokens of every send up to and including this one (running totals),
+    /// so the sum over the sends after a cutoff is one subtraction: a pick reads every pod's
+    /// projection, and a busy pod can have thousands of sends inside the admission lag.
     cum_blocks: u64,
+    cum_uncached: u64,
 }
 
 /// One pod's state.
@@ -63,6 +77,9 @@ pub struct Pod {
     /// its longest common prefix with one of these chains.
     pending: HashMap<u64, Vec<PendingChain>>,
     pending_chains: usize,
+    /// Uncached prompt tokens of the requests routed here, smoothed: the size this router
+    /// assumes for each request the pod reports waiting.
+    mean_uncached_tokens: Option<f64>,
 }
 
 /// A routed prompt's chain and when it stops counting.
@@ -94,6 +111,19 @@ pub struct Projection {
     pub kv_usage: f64,
     /// Requests sent since the sample (included above).
     pub sent_since_sample: u32,
+    /// Prompt tokens the pod must compute before it reaches a request sent now: the requests it
+    /// reported waiting (each of [`Pod::mean_uncached_tokens`], or of `None` here when that is
+    /// unknown: see [`Projection::queued_prefill_tokens`]) and what this router sent since.
+    pub queued_requests: u32,
+    pub sent_prefill_tokens: u64,
+}
+
+impl Projection {
+    /// The prefill backlog in tokens, assuming `per_request` tokens for each request the pod
+    /// reported waiting whose size this router does not know.
+    pub fn queued_prefill_tokens(&self, per_request: f64) -> f64 {
+        f64::from(self.queued_requests) * per_request + self.sent_prefill_tokens as f64
+    }
 }
 
 impl Pod {
@@ -133,6 +163,8 @@ impl Pod {
                 waiting: 0,
                 kv_usage: 0.0,
                 sent_since_sample: 0,
+                queued_requests: 0,
+                sent_prefill_tokens: 0,
             };
         };
         let counted = sample
@@ -142,18 +174,24 @@ impl Pod {
         // Sends are in time order: the ones after the cutoff are a suffix.
         let first = self.sent.partition_point(|s| s.at <= counted);
         let sent = u32::try_from(self.sent.len() - first).unwrap_or(u32::MAX);
-        let sent_blocks = match (self.sent.get(first), self.sent.back()) {
-            (Some(f), Some(l)) => l.cum_blocks - (f.cum_blocks - u64::from(f.new_blocks)),
-            _ => 0,
+        let (sent_blocks, sent_uncached) = match (self.sent.get(first), self.sent.back()) {
+            (Some(f), Some(l)) => (
+                l.cum_blocks - (f.cum_blocks - u64::from(f.new_blocks)),
+                l.cum_uncached - (f.cum_uncached - u64::from(f.uncached_tokens)),
+            ),
+            _ => (0, 0),
         };
         // Of those, only requests still in flight are running (and holding blocks) now: short
         // requests that already finished must not make an idle pod look busy until the next
         // report. Which ones finished is not tracked, so the blocks are scaled alike.
         let n = sent.min(self.inflight);
-        let blocks = if sent == 0 {
-            0
+        let (blocks, uncached) = if sent == 0 {
+            (0, 0)
         } else {
-            sent_blocks * u64::from(n) / u64::from(sent)
+            (
+                sent_blocks * u64::from(n) / u64::from(sent),
+                sent_uncached * u64::from(n) / u64::from(sent),
+            )
         };
         // This router's requests the report counted that have finished since: the report still
         // shows them running until the next one (up to an interval later). Of the requests in
@@ -171,7 +209,14 @@ impl Pod {
             waiting,
             kv_usage: f64::from(l.kv_usage) + blocks as f64 / gpu_blocks,
             sent_since_sample: n,
+            queued_requests: l.waiting,
+            sent_prefill_tokens: uncached,
         }
+    }
+
+    /// The smoothed uncached prompt tokens of requests this router sent here, if it sent any.
+    pub fn mean_uncached_tokens(&self) -> Option<f64> {
+        self.mean_uncached_tokens
     }
 
     /// Forgets pending chains the pod's own events now confirm, so from then on only the real
@@ -289,6 +334,7 @@ impl Registry {
             sent: VecDeque::new(),
             pending: HashMap::new(),
             pending_chains: 0,
+            mean_uncached_tokens: None,
         };
         // A replaced pod keeps this router's in-flight count: those requests are still running.
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
@@ -376,26 +422,27 @@ impl Registry {
         Ok(())
     }
 
-    /// Records that a request was routed to `key`: in flight, sent since the last sample, its
-    /// chain pending until `now + ttl`, picked at `now`.
-    pub fn record_pick(
-        &mut self,
-        key: &str,
-        new_blocks: u32,
-        chain: &[u64],
-        now: Instant,
-        ttl: Duration,
-    ) {
+    /// Records that a request was routed to `key`: in flight, sent since the last sample (with
+    /// the blocks it adds and the prompt tokens it makes the pod compute), its chain pending
+    /// until `now + ttl`, picked at `now`.
+    pub fn record_pick(&mut self, key: &str, pick: &Picked<'_>, now: Instant, ttl: Duration) {
         let Some(pod) = self.pods.get_mut(key) else {
             return;
         };
+        let (new_blocks, chain) = (pick.new_blocks, pick.chain);
         pod.inflight += 1;
         pod.last_picked = Some(now);
-        let cum_blocks = pod.sent.back().map_or(0, |s| s.cum_blocks) + u64::from(new_blocks);
+        let u = f64::from(pick.uncached_tokens);
+        pod.mean_uncached_tokens = Some(pod.mean_uncached_tokens.map_or(u, |m| 0.9 * m + 0.1 * u));
+        let back = pod.sent.back();
+        let cum_blocks = back.map_or(0, |s| s.cum_blocks) + u64::from(new_blocks);
+        let cum_uncached = back.map_or(0, |s| s.cum_uncached) + u64::from(pick.uncached_tokens);
         pod.sent.push_back(Sent {
             at: now,
             new_blocks,
+            uncached_tokens: pick.uncached_tokens,
             cum_blocks,
+            cum_uncached,
         });
         // Bound the memory of a pod that stopped reporting: its oldest sends matter least.
         while pod.sent.len() > 4096 {

@@ -423,6 +423,7 @@ pub fn decision_header(d: &Decision, mode: &str) -> String {
         "predicted_cached_tokens": d.predicted_cached_tokens,
         "matched_blocks": d.matched_blocks,
         "chain_len": d.chain_len,
+        "predicted_ttft_s": round(d.predicted_ttft_s),
         "all_saturated": d.all_saturated,
         "least_request": d.least_request,
         "candidates": d.candidates,

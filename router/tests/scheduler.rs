@@ -163,22 +163,93 @@ fn a_burst_with_a_new_prefix_lands_together_through_pending_blocks() {
     assert_eq!(d.matched_blocks, 0);
 }
 
+/// The saturation rule in time (`scheduler::saturation`): a loaded pod that holds the prompt is
+/// skipped only when a sibling would start the request sooner, counting the prefill the sibling
+/// must redo; when every pod is loaded, the cache still decides. A router that falls back to the
+/// shortest queue sprays prompts away from their caches exactly when misses cost the most.
 #[test]
-fn saturated_pods_are_skipped_and_when_all_are_the_shortest_queue_wins() {
-    let p = prompt(2, 300);
+fn a_busy_pod_is_skipped_only_when_a_sibling_starts_the_request_sooner() {
+    let p = prompt(2, 2000); // 125 blocks, cached on pod-0
     let chain = hash_chain(&ChainSeed::BASE, &p, BS as usize);
+    let s = sched(3.0);
+
+    // Every slot taken on pod-0, the others idle: a free pod starts at once, pod-0 only after
+    // the queue that taking a slot implies... but with no request waiting, pod-0's backlog is
+    // only its own 16 uncached tokens against 2000 on a sibling: it keeps the request.
     let mut c = Cluster::new(3, true);
     c.holds(0, &chain);
-    c.report(0, load(8, 0, 0.1)); // every slot taken
-    c.report(1, load(1, 1, 0.1)); // one waiting = saturated at maxWaiting 1
-    assert_eq!(c.pick(&sched(3.0), &p).unwrap(), "ns/pod-2");
-    c.report(2, load(2, 3, 0.1));
-    c.report(1, load(1, 2, 0.1));
+    c.report(0, load(8, 0, 0.1));
+    let d = {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_eq!(d.pod, "ns/pod-0", "busy but still the soonest start: {d:?}");
+    assert!(!d.all_saturated);
+
+    // Five requests of this size waiting on pod-0 (nothing routed there yet, so each is assumed
+    // as large as this prompt): 10,000 tokens ahead of it against 2,000 on an idle pod.
+    let mut c = Cluster::new(3, true);
+    c.holds(0, &chain);
     c.report(0, load(8, 5, 0.1));
+    let d = {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_ne!(d.pod, "ns/pod-0", "a long queue is worth skipping: {d:?}");
+    assert_eq!(d.predicted_cached_tokens, 0);
+
+    // Pod-0 has served this prompt (the router knows its requests there need little prefill):
+    // the same five waiting requests are 5 × 16 tokens, far less than 2000: kept, and it wins.
+    let mut c = Cluster::new(3, true);
+    c.holds(0, &chain);
+    for _ in 0..3 {
+        assert_eq!(c.pick(&s, &p).unwrap(), "ns/pod-0");
+        c.settle();
+    }
+    c.report(0, load(8, 5, 0.1));
+    assert_eq!(c.pick(&s, &p).unwrap(), "ns/pod-0");
+}
+
+#[test]
+fn when_every_pod_is_loaded_the_cache_still_decides() {
+    let p = prompt(3, 2000);
+    let chain = hash_chain(&ChainSeed::BASE, &p, BS as usize);
+    let mut c = Cluster::new(3, true);
+    c.holds(1, &chain);
+    c.report(0, load(8, 2, 0.5));
+    c.report(1, load(8, 4, 0.5));
+    c.report(2, load(8, 3, 0.5));
+    let req = req(&p);
+    let d = sched(3.0).pick(&mut c.reg, &req, c.now).unwrap();
+    assert!(d.all_saturated, "{d:?}");
+    assert_eq!(
+        d.pod, "ns/pod-1",
+        "the shortest queue (pod-0) would compute the whole prompt again"
+    );
+    assert!(d.predicted_ttft_s > 0.0);
+    // With the prefix weight at 0, the lighter pods win again.
+    let d = sched(0.0).pick(&mut c.reg, &req, c.now).unwrap();
+    assert_eq!(d.pod, "ns/pod-0");
+}
+
+#[test]
+fn a_pod_whose_cache_cannot_hold_the_prompt_is_skipped_while_another_can() {
+    let p = prompt(4, 3200); // 200 blocks of a 1000-block cache
+    let chain = hash_chain(&ChainSeed::BASE, &p[..1600], BS as usize);
+    let mut c = Cluster::new(2, true);
+    c.holds(0, &chain); // half cached on pod-0, whose cache is nearly all taken by running requests
+    c.report(0, load(1, 0, 0.95));
+    c.report(1, load(1, 0, 0.5));
+    assert_eq!(c.pick(&sched(3.0), &p).unwrap(), "ns/pod-1");
+    // Both full: the request still goes somewhere, where the cache is.
+    let mut c = Cluster::new(2, true);
+    c.holds(0, &chain);
+    c.report(0, load(1, 0, 0.95));
+    c.report(1, load(1, 0, 0.95));
     let req = req(&p);
     let d = sched(3.0).pick(&mut c.reg, &req, c.now).unwrap();
     assert!(d.all_saturated);
-    assert_eq!(d.pod, "ns/pod-1", "shortest queue");
+    assert_eq!(d.pod, "ns/pod-0");
 }
 
 #[test]

@@ -18,6 +18,7 @@
 //! shared-prompt traffic onto one pod here; this one spreads it.
 
 pub mod filters;
+pub mod saturation;
 pub mod scorers;
 #[cfg(test)]
 mod tests;
@@ -28,7 +29,8 @@ use kvsight_protocol::bloom::{FilterParams, PreparedChain};
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 
 use crate::config::{PoolConfig, SchedulerConfig};
-use crate::pods::{Pod, Projection, Registry};
+use crate::pods::{Picked, Pod, Projection, Registry};
+use saturation::{Fleet, Pressure};
 
 /// What the scheduler needs to know about a request.
 #[derive(Debug, Clone, Copy)]
@@ -54,6 +56,8 @@ pub struct Ctx<'a> {
     pub now: Instant,
     /// `Some(model)` when the model is a LoRA adapter.
     pub lora: Option<&'a str>,
+    /// The model's pods as a whole (for pods that have not measured something yet).
+    pub fleet: Fleet,
 }
 
 /// One pod as seen by this request.
@@ -147,7 +151,9 @@ pub struct Decision {
     pub predicted_cached_tokens: u32,
     pub matched_blocks: usize,
     pub chain_len: usize,
-    /// Every eligible pod was saturated: the shortest queue was taken.
+    /// Predicted seconds to the first token on the chosen pod (see [`saturation`]).
+    pub predicted_ttft_s: f64,
+    /// Every eligible pod was busy or full: the smallest predicted time to first token won.
     pub all_saturated: bool,
     /// Least-request scoring was used (no candidate caches prefixes).
     pub least_request: bool,
@@ -158,7 +164,6 @@ pub struct Decision {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     hard: Vec<Box<dyn Filter>>,
-    saturation: Box<dyn Filter>,
     scorers: Vec<(Box<dyn Scorer>, f64)>,
 }
 
@@ -187,6 +192,7 @@ impl Scheduler {
             Box::new(scorers::RunningRequests),
             Box::new(scorers::LoraAffinity),
             Box::new(scorers::PredictedLatency),
+            Box::new(scorers::Lmetric),
             Box::new(scorers::Lru),
         ];
         let weights = cfg.weights.named();
@@ -207,7 +213,6 @@ impl Scheduler {
                 Box::new(filters::Ready),
                 Box::new(filters::FitsWindow),
             ],
-            saturation: Box::new(filters::NotSaturated),
             scorers,
         }
     }
@@ -302,6 +307,7 @@ impl Scheduler {
             cfg: &self.cfg,
             now,
             lora: seed.lora,
+            fleet: Fleet::of(reg.pods().filter(|p| p.serves(req.model))),
         };
         let m = &mut *m;
         // Set when a pod that serves the model and is ready cannot hold the prompt.
@@ -329,45 +335,61 @@ impl Scheduler {
             });
         }
         let n_eligible = eligible.len();
-        // Candidates come assuming nothing cached, the most blocks a prompt can add: a pod not
-        // saturated by that is not saturated by its real match, which is computed only when the
-        // bound says "saturated".
-        let (mut open, mut saturated) = (Vec::with_capacity(n_eligible), Vec::new());
+        // See `saturation`. Candidates come assuming nothing cached, the most blocks a prompt
+        // can add: a pod whose cache has room for that has room for its real match, which is
+        // computed only when the bound says "full". Busy pods are compared by predicted time to
+        // first token, which needs their real match.
+        let (mut free, mut busy, mut full) =
+            (Vec::with_capacity(n_eligible), Vec::new(), Vec::new());
         for mut c in eligible {
-            if !self.saturation.keep(&ctx, &c) {
-                m.resolve(&mut c, req, now);
-                if !self.saturation.keep(&ctx, &c) {
-                    saturated.push(c);
+            match saturation::pressure(&ctx, &c) {
+                Pressure::Free => {
+                    free.push(c);
+                    continue;
+                }
+                // The bound assumed nothing cached: decide on the real match.
+                Pressure::Tight | Pressure::Full => m.resolve(&mut c, req, now),
+                Pressure::Busy => {
+                    m.resolve(&mut c, req, now);
+                    busy.push(c);
                     continue;
                 }
             }
-            open.push(c);
+            match saturation::pressure(&ctx, &c) {
+                Pressure::Free => free.push(c),
+                Pressure::Busy | Pressure::Tight => busy.push(c),
+                Pressure::Full => full.push(c),
+            }
+        }
+        let least_request = !free
+            .iter()
+            .chain(&busy)
+            .chain(&full)
+            .any(|c| c.pod.hello.engine.prefix_caching);
+        let mut open = free;
+        if !open.is_empty() && !busy.is_empty() {
+            // A busy pod competes only if it would start the request no later than the best
+            // free one, counting what each must compute.
+            for c in open.iter_mut() {
+                m.resolve(c, req, now);
+            }
+            let best_free = open
+                .iter()
+                .map(|c| saturation::predicted_ttft(&ctx, c))
+                .fold(f64::INFINITY, f64::min);
+            open.extend(
+                busy.drain(..)
+                    .filter(|c| saturation::predicted_ttft(&ctx, c) <= best_free),
+            );
         }
         let all_saturated = open.is_empty();
-        let least_request = !saturated
-            .iter()
-            .chain(&open)
-            .any(|c| c.pod.hello.engine.prefix_caching);
-
-        let (winner, total, margin, scores) = if all_saturated {
-            // Every pod is full: the shortest projected queue, then fewest running, then the key
-            // (registry order is arbitrary). Saturated
-            // candidates already carry their real match.
-            let best = saturated
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, c)| {
-                    (
-                        c.projection.waiting,
-                        c.projection.running,
-                        c.pod.last_picked,
-                        &c.pod.key,
-                    )
-                })
-                .map(|(i, _)| i)
-                .expect("non-empty");
-            (&saturated[best], 0.0, 0.0, Vec::new())
-        } else {
+        if all_saturated {
+            // Every pod busy or full: they all compete, ranked like free pods (the queue, KV
+            // and running scorers still prefer the lighter ones).
+            open.append(&mut busy);
+            open.append(&mut full);
+        }
+        let (winner, total, margin, scores) = {
             let used: Vec<&(Box<dyn Scorer>, f64)> = self
                 .scorers
                 .iter()
@@ -393,6 +415,7 @@ impl Scheduler {
             margin,
             scores,
             predicted_cached_tokens: cached_tokens(winner.matched_blocks, bs, req.prompt_tokens),
+            predicted_ttft_s: saturation::predicted_ttft(&ctx, winner),
             matched_blocks: winner.matched_blocks,
             chain_len: winner.chain_len,
             all_saturated,
@@ -405,13 +428,12 @@ impl Scheduler {
         } else {
             &[]
         };
-        reg.record_pick(
-            &decision.pod,
+        let picked = Picked {
             new_blocks,
-            record_chain,
-            now,
-            self.cfg.pending_ttl(),
-        );
+            uncached_tokens: winner.uncached_tokens,
+            chain: record_chain,
+        };
+        reg.record_pick(&decision.pod, &picked, now, self.cfg.pending_ttl());
         Ok(decision)
     }
 

@@ -1,13 +1,11 @@
-//! Filters: a pod either may take the request or may not. Hard filters first (ready, serves the
-//! model, fits the window), saturation last, because when every pod is saturated the request
-//! still goes somewhere: to the shortest queue.
+//! Filters: a pod either may take the request or may not (ready, serves the model, fits the
+//! window). Saturation is not a filter: a busy or full pod may still be the best place for a
+//! request, which only a comparison with its siblings can tell (see `scheduler::saturation`).
 
 mod model;
 mod ready;
-mod saturation;
 mod window;
 
 pub use model::ServesModel;
 pub use ready::Ready;
-pub use saturation::NotSaturated;
 pub use window::FitsWindow;

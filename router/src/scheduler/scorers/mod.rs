@@ -4,6 +4,7 @@
 //! with like; absolute signals (prefix fraction, KV headroom) are used as they are.
 
 mod kv_cache;
+mod lmetric;
 mod lora_affinity;
 mod lru;
 mod predicted_latency;
@@ -12,6 +13,7 @@ mod queue;
 mod running_requests;
 
 pub use kv_cache::KvCache;
+pub use lmetric::Lmetric;
 pub use lora_affinity::LoraAffinity;
 pub use lru::Lru;
 pub use predicted_latency::PredictedLatency;
