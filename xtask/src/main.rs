@@ -18,7 +18,12 @@ usage: cargo xtask <command>
 commands:
   ci      fmt check, clippy -D warnings, every test, chart-check, hadolint on the Dockerfile, and
           build (not run) the benches and fuzz targets
-  bench   run the criterion benchmarks (extra arguments go to `cargo bench`)
+  bench   kvsight against the routers people run today (smg, sglang-router, vllm-router from
+          PyPI) and blind baselines, on simulated GPU pods, through and past saturation; writes
+          target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
+          --routers, --rates, --pods, --time-scale; see `kvsight-bench run --help`)
+  criterion
+          run the criterion micro-benchmarks (extra arguments go to `cargo bench`)
   demo    start 2 vllm-sim pods, their sidecars and a router on loopback and run the three
           endpoint-picking experiments (flags: --pods N, --json, --serve)
   chart-check
@@ -35,7 +40,8 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root).context("entering the workspace root")?;
     match cmd.as_str() {
         "ci" => ci(&root),
-        "bench" => bench(&rest),
+        "bench" => bench(&root, &rest),
+        "criterion" => criterion(&rest),
         "demo" => demo(&rest),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
@@ -273,7 +279,35 @@ fn demo(extra: &[String]) -> Result<()> {
     std::process::exit(status.code().unwrap_or(1));
 }
 
-fn bench(extra: &[String]) -> Result<()> {
+/// The release binaries the comparison runs as separate processes.
+const BENCH_BINARIES: [(&str, &str); 4] = [
+    ("kvsight-testbed", "vllm-sim"),
+    ("kvsight-router", "kvsight-router"),
+    ("kvsight-sidecar", "kvsight-sidecar"),
+    ("kvsight-bench", "kvsight-bench"),
+];
+
+/// Builds the release binaries and runs `kvsight-bench run`, passing the flags through.
+fn bench(root: &Path, extra: &[String]) -> Result<()> {
+    let mut args = vec!["build", "--release", "--locked"];
+    for (package, bin) in BENCH_BINARIES {
+        args.extend(["-p", package, "--bin", bin]);
+    }
+    step("cargo build --release (bench binaries)", &args)?;
+    let target = root.join("target");
+    run(
+        "kvsight-bench run",
+        Command::new(target.join("release/kvsight-bench"))
+            .arg("run")
+            .arg("--target")
+            .arg(&target)
+            .arg("--bin-dir")
+            .arg(target.join("release"))
+            .args(extra),
+    )
+}
+
+fn criterion(extra: &[String]) -> Result<()> {
     let mut args = vec!["bench", "--workspace", "--locked"];
     args.extend(extra.iter().map(String::as_str));
     step("cargo bench", &args)

@@ -1,0 +1,391 @@
+//! The routers under test: kvsight's variants, the peers people run today (installed from PyPI
+//! into a virtualenv under `target/bench/`), and the blind baselines. Each runs as its own
+//! process; the load goes to its HTTP port.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use crate::cluster::{Binaries, Certs};
+use crate::procs::{Proc, free_tcp_port, free_udp_port, wait_ok};
+use crate::workload::MODEL;
+
+/// Every router the bench knows, in the order results list them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Kind {
+    /// kvsight, default config: real sidecars, real router.
+    Kvsight,
+    /// kvsight in approximate mode: router-side memory of what it sent, no tokenizer.
+    KvsightApprox,
+    /// kvsight with the prefix weight at 0.
+    KvsightPrefix0,
+    /// kvsight scoring with LMetric's product: uncached prompt tokens × batch size.
+    KvsightLmetric,
+    /// smg (Shepherd Model Gateway), cache_aware policy.
+    SmgCacheAware,
+    /// smg, power of two choices.
+    SmgPowerOfTwo,
+    /// sglang-router, cache_aware policy.
+    SglangCacheAware,
+    /// vllm-router, cache_aware policy.
+    VllmRouterCacheAware,
+    /// vllm-router, kv_aware policy: it subscribes to the pods' KV events itself.
+    VllmRouterKvAware,
+    /// Round robin over the pods.
+    RoundRobin,
+    /// Least of its own in-flight requests.
+    LeastRequest,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 11] = [
+        Kind::Kvsight,
+        Kind::KvsightApprox,
+        Kind::KvsightPrefix0,
+        Kind::KvsightLmetric,
+        Kind::SmgCacheAware,
+        Kind::SmgPowerOfTwo,
+        Kind::SglangCacheAware,
+        Kind::VllmRouterCacheAware,
+        Kind::VllmRouterKvAware,
+        Kind::RoundRobin,
+        Kind::LeastRequest,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Kvsight => "kvsight",
+            Kind::KvsightApprox => "kvsight-approx",
+            Kind::KvsightPrefix0 => "kvsight-prefix0",
+            Kind::KvsightLmetric => "kvsight-lmetric",
+            Kind::SmgCacheAware => "smg-cache_aware",
+            Kind::SmgPowerOfTwo => "smg-power_of_two",
+            Kind::SglangCacheAware => "sglang-cache_aware",
+            Kind::VllmRouterCacheAware => "vllm-router-cache_aware",
+            Kind::VllmRouterKvAware => "vllm-router-kv_aware",
+            Kind::RoundRobin => "round-robin",
+            Kind::LeastRequest => "least-request",
+        }
+    }
+
+    /// kvsight routers run for a whole workload (sidecars report to them from the start).
+    pub fn is_kvsight(self) -> bool {
+        matches!(
+            self,
+            Kind::Kvsight | Kind::KvsightApprox | Kind::KvsightPrefix0 | Kind::KvsightLmetric
+        )
+    }
+
+    /// The PyPI package a peer comes from.
+    pub fn package(self) -> Option<&'static str> {
+        match self {
+            Kind::SmgCacheAware | Kind::SmgPowerOfTwo => Some("smg"),
+            Kind::SglangCacheAware => Some("sglang-router"),
+            Kind::VllmRouterCacheAware | Kind::VllmRouterKvAware => Some("vllm-router"),
+            _ => None,
+        }
+    }
+
+    /// Whether the router reports its predictions (`x-kvsight-decision`).
+    pub fn predicts(self) -> bool {
+        self.is_kvsight()
+    }
+
+    /// The kvsight config file for a variant.
+    fn kvsight_config(self) -> &'static str {
+        match self {
+            Kind::KvsightPrefix0 => "scheduler:\n  weights: {prefix: 0}\n",
+            Kind::KvsightLmetric => {
+                "scheduler:\n  weights: {prefix: 0, queue: 0, kvCache: 0, runningRequests: 0, lmetric: 1, lru: 0.01}\n"
+            }
+            _ => "{}\n",
+        }
+    }
+}
+
+/// The pinned peer versions.
+pub const PEERS: [(&str, &str); 3] = [
+    ("smg", "1.13.0"),
+    ("sglang-router", "0.3.2"),
+    ("vllm-router", "0.1.17"),
+];
+
+/// Each peer package and its installed version, or why it could not be installed.
+pub type PeerVersions = Vec<(String, Result<String, String>)>;
+
+/// The peers' virtualenv: made once under `target/bench/peers`, each package installed on its
+/// own so that one that cannot be installed leaves the others. Returns the venv's `bin/` and
+/// what was installed.
+pub fn install_peers(target: &Path) -> Result<(PathBuf, PeerVersions)> {
+    let venv = target.join("bench/peers");
+    let bin = venv.join("bin");
+    let python = bin.join("python");
+    if !python.exists() {
+        let st = std::process::Command::new("python3")
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv)
+            .status()
+            .context("python3 -m venv")?;
+        if !st.success() {
+            bail!("python3 -m venv {} failed ({st})", venv.display());
+        }
+    }
+    let mut out = Vec::new();
+    for (pkg, version) in PEERS {
+        let have = installed_version(&python, pkg);
+        let result = if have.as_deref() == Some(version) {
+            Ok(version.to_owned())
+        } else {
+            let o = std::process::Command::new(&python)
+                .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+                .arg(format!("{pkg}=={version}"))
+                .output()
+                .context("pip")?;
+            if o.status.success() {
+                Ok(version.to_owned())
+            } else {
+                let err = String::from_utf8_lossy(&o.stderr);
+                Err(err.lines().last().unwrap_or("pip failed").to_owned())
+            }
+        };
+        out.push((pkg.to_owned(), result));
+    }
+    Ok((bin, out))
+}
+
+fn installed_version(python: &Path, pkg: &str) -> Option<String> {
+    let o = std::process::Command::new(python)
+        .args([
+            "-c",
+            &format!("import importlib.metadata as m; print(m.version({pkg:?}))"),
+        ])
+        .output()
+        .ok()?;
+    o.status
+        .success()
+        .then(|| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+}
+
+/// A kvsight router process with its ports.
+pub struct KvsightRouter {
+    pub kind: Kind,
+    pub proc: Proc,
+    pub url: String,
+    pub quic: String,
+}
+
+impl KvsightRouter {
+    /// Starts the variant; sidecars are given `quic` to report to.
+    pub fn start(kind: Kind, bins: &Binaries, certs: &Certs, logs: &Path) -> Result<KvsightRouter> {
+        let (http, quic) = (free_tcp_port()?, free_udp_port()?);
+        let config = certs.dir.join(format!("{}.yaml", kind.name()));
+        // An experiment may replace the default variant's config.
+        let text = match (kind, std::env::var("KVSIGHT_BENCH_CONFIG")) {
+            (Kind::Kvsight, Ok(text)) => text,
+            _ => kind.kvsight_config().to_owned(),
+        };
+        std::fs::write(&config, text)?;
+        let mut args = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{http}"),
+            "--quic-listen".into(),
+            format!("127.0.0.1:{quic}"),
+            "--config".into(),
+            config.display().to_string(),
+            "--router-id".into(),
+            kind.name().into(),
+            "--grace-seconds".into(),
+            "2".into(),
+        ];
+        if kind == Kind::KvsightApprox {
+            args.push("--no-sidecar-tokenizers".into());
+        }
+        args.extend(certs.leaf_flags(kind.name())?);
+        let proc = Proc::spawn(
+            kind.name(),
+            &bins.router,
+            &args,
+            &[("RUST_LOG", "warn".into())],
+            logs,
+        )?;
+        Ok(KvsightRouter {
+            kind,
+            proc,
+            url: format!("http://127.0.0.1:{http}"),
+            quic: format!("127.0.0.1:{quic}"),
+        })
+    }
+
+    /// Waits until every pod is routable through this router (Ready, with its filter).
+    pub async fn wait_pods(
+        &mut self,
+        http: &reqwest::Client,
+        pods: usize,
+        within: Duration,
+    ) -> Result<()> {
+        wait_ok(
+            http,
+            &format!("{}/health", self.url),
+            &mut [&mut self.proc],
+            within,
+        )
+        .await?;
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let body = http
+                .get(format!("{}/debug/pods", self.url))
+                .send()
+                .await?
+                .bytes()
+                .await?;
+            let routable = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["pods"].as_array().cloned())
+                .map_or(0, |pods| {
+                    pods.iter()
+                        .filter(|p| p["phase"] == "ready" && !p["filter"].is_null())
+                        .count()
+                });
+            if routable >= pods {
+                return Ok(());
+            }
+            if let Some(why) = self.proc.exited() {
+                bail!("{why}");
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "{}: {routable} of {pods} pods routable after {within:?}",
+                    self.kind.name()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// A pod as a peer is told about it.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    pub url: String,
+    /// vLLM's KV-event PUB and replay endpoints (for peers that subscribe themselves).
+    pub kv_events: String,
+    pub kv_replay: String,
+}
+
+/// Starts a peer or a blind baseline in front of `workers`; waits until it answers.
+pub async fn start_other(
+    kind: Kind,
+    bins: &Binaries,
+    peers_bin: &Path,
+    workers: &[Worker],
+    block_size: u32,
+    logs: &Path,
+    http: &reqwest::Client,
+) -> Result<(Proc, String)> {
+    let port = free_tcp_port()?;
+    // Each peer also serves Prometheus metrics, on 29000 unless told otherwise.
+    let metrics_port = free_tcp_port()?.to_string();
+    let host = "127.0.0.1".to_owned();
+    let (program, mut args): (PathBuf, Vec<String>) = match kind {
+        Kind::SmgCacheAware | Kind::SmgPowerOfTwo => (
+            peers_bin.join("smg"),
+            vec![
+                "launch".into(),
+                "--host".into(),
+                host,
+                "--port".into(),
+                port.to_string(),
+                "--prometheus-port".into(),
+                metrics_port,
+            ],
+        ),
+        Kind::SglangCacheAware => (
+            peers_bin.join("python"),
+            vec![
+                "-m".into(),
+                "sglang_router.launch_router".into(),
+                "--host".into(),
+                host,
+                "--port".into(),
+                port.to_string(),
+                "--prometheus-port".into(),
+                metrics_port,
+            ],
+        ),
+        Kind::VllmRouterCacheAware | Kind::VllmRouterKvAware => (
+            peers_bin.join("vllm-router"),
+            vec![
+                "--host".into(),
+                host,
+                "--port".into(),
+                port.to_string(),
+                "--prometheus-port".into(),
+                metrics_port,
+            ],
+        ),
+        Kind::RoundRobin | Kind::LeastRequest => (
+            bins.bench.clone(),
+            vec![
+                "blind".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--mode".into(),
+                if kind == Kind::RoundRobin {
+                    "round-robin"
+                } else {
+                    "least-request"
+                }
+                .into(),
+            ],
+        ),
+        _ => bail!("{} is a kvsight router", kind.name()),
+    };
+    match kind {
+        Kind::RoundRobin | Kind::LeastRequest => {
+            for w in workers {
+                args.extend(["--worker".into(), w.url.clone()]);
+            }
+        }
+        _ => {
+            args.push("--worker-urls".into());
+            args.extend(workers.iter().map(|w| w.url.clone()));
+            args.push("--policy".into());
+            args.push(
+                match kind {
+                    Kind::SmgPowerOfTwo => "power_of_two",
+                    Kind::VllmRouterKvAware => "kv_aware",
+                    _ => "cache_aware",
+                }
+                .into(),
+            );
+            if kind == Kind::VllmRouterKvAware {
+                for w in workers {
+                    args.push("--kv-event-source".into());
+                    args.push(format!("{}={}", w.url, w.kv_events));
+                    args.push("--kv-event-replay-source".into());
+                    args.push(format!("{}={}", w.url, w.kv_replay));
+                }
+                args.extend([
+                    "--kv-event-block-size".into(),
+                    block_size.to_string(),
+                    "--kv-event-model".into(),
+                    MODEL.into(),
+                ]);
+            }
+        }
+    }
+    let mut proc = Proc::spawn(kind.name(), &program, &args, &[], logs)?;
+    let url = format!("http://127.0.0.1:{port}");
+    // Ready when a request for the model reaches a worker through it.
+    wait_ok(
+        http,
+        &format!("{url}/v1/models"),
+        &mut [&mut proc],
+        Duration::from_secs(60),
+    )
+    .await
+    .with_context(|| format!("{} did not come up", kind.name()))?;
+    Ok((proc, url))
+}

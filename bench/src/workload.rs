@@ -1,0 +1,379 @@
+//! The six workloads: deterministic request streams, identical for every router.
+//!
+//! Each is shaped like a published benchmark and scaled by the cost model's `length_scale` (every
+//! length) and by the counts given here. Prompts are built from the simulator's own text
+//! generator and measured with the pods' own tokenizer, so a "1,500-token system prompt" is
+//! 1,500 tokens on the pods. Arrivals are a Poisson process at the run's rate; everything random
+//! is seeded, so two routers at one rate get byte-identical requests at identical offsets.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use kvsight_protocol::tokenizer::ModelTokenizer;
+use kvsight_testbed::own_tokenizer::{SeededRng, guideline, paragraph, question};
+use serde_json::{Value, json};
+
+use crate::cost::CostModel;
+
+/// The model name every pod serves.
+pub const MODEL: &str = "bench-8b";
+
+/// Which workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+#[clap(rename_all = "snake_case")]
+pub enum Kind {
+    /// The demo's batch: one 756-token preamble, short distinct questions.
+    SharedPrefix,
+    /// b2b-saas shaped: groups of users, each group with its own long system prompt.
+    MultiTenant,
+    /// Chat sessions whose history grows each turn (2–20 turns), interleaved.
+    MultiTurn,
+    /// inference-perf code-generation shaped: long shared tool prompts, many short turns.
+    Agentic,
+    /// No sharing at all: routing must not hurt.
+    Unique,
+    /// multi_tenant plus generations sent straight to one pod and a cold pod joining mid-run.
+    MixedFaults,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 6] = [
+        Kind::SharedPrefix,
+        Kind::MultiTenant,
+        Kind::MultiTurn,
+        Kind::Agentic,
+        Kind::Unique,
+        Kind::MixedFaults,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::SharedPrefix => "shared_prefix",
+            Kind::MultiTenant => "multi_tenant",
+            Kind::MultiTurn => "multi_turn",
+            Kind::Agentic => "agentic",
+            Kind::Unique => "unique",
+            Kind::MixedFaults => "mixed_faults",
+        }
+    }
+}
+
+/// One request of a run.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Offset of its arrival from the run's start.
+    pub at: Duration,
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: &'static str,
+    pub body: bytes::Bytes,
+    /// Prompt tokens on the pods (their tokenizer, their chat template).
+    pub prompt_tokens: u32,
+}
+
+/// A workload at one rate: its requests, and what the cluster must look like for it.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub kind: Kind,
+    pub rate: f64,
+    pub requests: Vec<Request>,
+}
+
+/// A workload's shape at this bench's scale, before a rate is chosen.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub kind: Kind,
+    /// Requests per run.
+    pub count: usize,
+    /// KV blocks per pod: the workload's shared prompts overflow one pod, fit the cluster.
+    pub num_gpu_blocks: u32,
+    /// Arrival rates (requests per simulated second), through and past saturation.
+    pub rates: Vec<f64>,
+    /// Distinct shared prompts (groups, agents, sessions) and their total tokens.
+    pub shared_prompts: usize,
+    pub shared_tokens: u64,
+    /// The request bodies in arrival order (arrival times come with the rate).
+    bodies: Vec<(&'static str, bytes::Bytes, u32)>,
+}
+
+/// Counts the tokens a completion prompt has on the pods.
+fn completion_tokens(tok: &ModelTokenizer, text: &str) -> u32 {
+    tok.encode_completion(text)
+        .map_or(0, |ids| ids.len() as u32)
+}
+
+/// Text of at least `tokens` tokens from `rng`, whole paragraphs.
+fn text_of(tok: &ModelTokenizer, rng: &mut SeededRng, tokens: u32, lead: &str) -> String {
+    let mut s = String::from(lead);
+    // Estimate first (about 4 characters a token here), then top up.
+    while completion_tokens(tok, &s) < tokens {
+        s.push_str(&paragraph(rng));
+        s.push('\n');
+    }
+    s
+}
+
+/// A system prompt of at least `tokens` tokens: a role line and numbered guidelines.
+fn system_prompt(tok: &ModelTokenizer, rng: &mut SeededRng, tokens: u32, who: &str) -> String {
+    let mut s = format!("You are the assistant of {who}. Follow these guidelines:\n");
+    let mut i = 1;
+    loop {
+        for _ in 0..8 {
+            let _ = writeln!(s, "{i}. {}", guideline(rng));
+            i += 1;
+        }
+        if completion_tokens(tok, &s) >= tokens {
+            return s;
+        }
+    }
+}
+
+fn completion(prompt: &str, max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+fn chat(messages: &[(&str, &str)], max_tokens: u32) -> Value {
+    let messages: Vec<Value> = messages
+        .iter()
+        .map(|(role, content)| json!({"role": role, "content": content}))
+        .collect();
+    json!({
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+/// Builds the request bodies, in order, and sizes the cache; `pods` is the cluster size.
+pub fn build(
+    kind: Kind,
+    cost: &CostModel,
+    tok: &ModelTokenizer,
+    pods: usize,
+    quick: bool,
+) -> Workload {
+    let mut rng = SeededRng::new(0x6265_6e63_6800 + kind as u64);
+    let chat_tokens = |msgs: &[(&str, &str)]| -> u32 {
+        let msgs: Vec<_> = msgs
+            .iter()
+            .map(|(r, c)| kvsight_protocol::tokenizer::ChatMessage::new(*r, *c))
+            .collect();
+        tok.encode_chat(&msgs, true, &Default::default())
+            .map_or(0, |ids| ids.len() as u32)
+    };
+    let mut bodies: Vec<(&'static str, bytes::Bytes, u32)> = Vec::new();
+    let push_completion = |bodies: &mut Vec<_>, prompt: &str, max_tokens: u32| {
+        let n = completion_tokens(tok, prompt);
+        bodies.push((
+            "/v1/completions",
+            bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
+            n,
+        ));
+    };
+    let (shared_prompts, shared_tokens, count, rates);
+    match kind {
+        Kind::SharedPrefix => {
+            // The demo's: 40 guidelines (≈ 756 tokens), then "Question n: name one factor."
+            let preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(40, 7);
+            count = if quick { 150 } else { 300 };
+            for n in 0..count {
+                let p = format!("{preamble}Question {n}: name one factor.");
+                push_completion(&mut bodies, &p, cost.tokens(128));
+            }
+            shared_prompts = 1;
+            shared_tokens = u64::from(completion_tokens(tok, &preamble));
+            rates = vec![10.0, 20.0, 40.0, 60.0];
+        }
+        Kind::MultiTenant | Kind::MixedFaults => {
+            // b2b-saas: 150 groups × 5 users, 6k system prompt, 1.2k question, 1k output. Counts
+            // scaled to 4 groups per pod.
+            let groups = 4 * pods;
+            let systems: Vec<String> = (0..groups)
+                .map(|g| system_prompt(tok, &mut rng, cost.tokens(6000), &format!("tenant {g}")))
+                .collect();
+            count = if quick { 300 } else { 480 };
+            for _ in 0..count {
+                let g = rng.below(groups);
+                let user = rng.below(5);
+                let lead = format!("User {user} of tenant {g} asks: {}\n", question(&mut rng));
+                let q = text_of(tok, &mut rng, cost.tokens(1200), &lead);
+                push_completion(
+                    &mut bodies,
+                    &format!("{}\n{q}", systems[g]),
+                    cost.tokens(1000),
+                );
+            }
+            shared_prompts = groups;
+            shared_tokens = systems
+                .iter()
+                .map(|s| u64::from(completion_tokens(tok, s)))
+                .sum();
+            rates = vec![4.0, 8.0, 12.0, 16.0];
+        }
+        Kind::MultiTurn => {
+            // ShareGPT-like sessions of 2–20 turns: a short shared system prompt, user turns of
+            // ≈ 200 tokens, answers of ≈ 400, 16 sessions interleaved at a time.
+            let system = system_prompt(tok, &mut rng, cost.tokens(400), "a support desk");
+            count = if quick { 200 } else { 400 };
+            let mut sessions: Vec<(Vec<(String, String)>, usize)> = Vec::new();
+            let mut next_session = 0;
+            let mut total_sessions = 0;
+            let mut shared = 0u64;
+            let mut i = 0;
+            while bodies.len() < count {
+                while sessions.len() < 16 {
+                    let turns = 2 + rng.below(19);
+                    sessions.push((Vec::new(), turns));
+                    total_sessions += 1;
+                }
+                let idx = next_session % sessions.len();
+                next_session += 1;
+                let (history, _) = &mut sessions[idx];
+                let lead = format!("{}\n", question(&mut rng));
+                let user = text_of(tok, &mut rng, cost.tokens(200), &lead);
+                let mut msgs: Vec<(&str, &str)> = vec![("system", system.as_str())];
+                for (u, a) in history.iter() {
+                    msgs.push(("user", u));
+                    msgs.push(("assistant", a));
+                }
+                msgs.push(("user", &user));
+                let n = chat_tokens(&msgs);
+                bodies.push((
+                    "/v1/chat/completions",
+                    bytes::Bytes::from(chat(&msgs, cost.tokens(400)).to_string()),
+                    n,
+                ));
+                shared = shared.max(u64::from(n));
+                let answer = text_of(tok, &mut rng, cost.tokens(400), "");
+                history.push((user, answer));
+                i += 1;
+                if history.len() >= sessions[idx].1 {
+                    sessions.swap_remove(idx);
+                }
+            }
+            let _ = i;
+            shared_prompts = total_sessions;
+            // Sessions alive at once hold their histories: 16 of up to 20 turns.
+            shared_tokens = shared * 16 / 2;
+            rates = vec![4.0, 8.0, 12.0, 16.0];
+        }
+        Kind::Agentic => {
+            // inference-perf code generation: agents with 3k–30k-token tool prompts, sessions of
+            // many short turns (≈ 100-token instructions, ≈ 200-token answers).
+            let agents = 2 * pods;
+            let tools: Vec<String> = (0..agents)
+                .map(|a| {
+                    let len = 3000 + (27_000 * a / agents.max(2).saturating_sub(1)) as u32;
+                    system_prompt(
+                        tok,
+                        &mut rng,
+                        cost.tokens(len),
+                        &format!("coding agent {a}"),
+                    )
+                })
+                .collect();
+            count = if quick { 200 } else { 400 };
+            // 3 sessions per agent at a time, each growing turn by turn, up to 12 turns.
+            let mut histories: Vec<Vec<(String, String)>> = vec![Vec::new(); agents * 3];
+            for _ in 0..count {
+                let s = rng.below(histories.len());
+                let a = s / 3;
+                if histories[s].len() >= 12 {
+                    histories[s].clear();
+                }
+                let lead = format!("Task: {}\n", question(&mut rng));
+                let user = text_of(tok, &mut rng, cost.tokens(100), &lead);
+                let mut msgs: Vec<(&str, &str)> = vec![("system", tools[a].as_str())];
+                for (u, r) in &histories[s] {
+                    msgs.push(("user", u));
+                    msgs.push(("assistant", r));
+                }
+                msgs.push(("user", &user));
+                let n = chat_tokens(&msgs);
+                bodies.push((
+                    "/v1/chat/completions",
+                    bytes::Bytes::from(chat(&msgs, cost.tokens(200)).to_string()),
+                    n,
+                ));
+                let answer = text_of(tok, &mut rng, cost.tokens(200), "");
+                histories[s].push((user, answer));
+            }
+            shared_prompts = agents;
+            shared_tokens = tools
+                .iter()
+                .map(|s| u64::from(completion_tokens(tok, s)))
+                .sum();
+            rates = vec![4.0, 8.0, 12.0, 16.0];
+        }
+        Kind::Unique => {
+            count = if quick { 200 } else { 400 };
+            for n in 0..count {
+                let p = text_of(
+                    tok,
+                    &mut rng,
+                    cost.tokens(2000),
+                    &format!("Document {n}.\n"),
+                );
+                push_completion(&mut bodies, &p, cost.tokens(400));
+            }
+            shared_prompts = 0;
+            shared_tokens = 0;
+            rates = vec![8.0, 16.0, 24.0, 32.0];
+        }
+    }
+    // The shared prompts overflow one pod's cache (it holds half of them) and fit the cluster's
+    // several times over; at least room for a few of the longest requests.
+    let bs = u64::from(cost.block_size);
+    let longest = bodies.iter().map(|b| u64::from(b.2)).max().unwrap_or(1);
+    let per_pod_tokens = (shared_tokens / 2).max(8 * longest);
+    let num_gpu_blocks = u32::try_from(per_pod_tokens.div_ceil(bs) + 1).unwrap_or(u32::MAX);
+    Workload {
+        kind,
+        count,
+        num_gpu_blocks,
+        rates,
+        shared_prompts,
+        shared_tokens,
+        bodies,
+    }
+}
+
+impl Workload {
+    /// The run at `rate` (simulated requests per second): Poisson arrivals, seeded by the
+    /// workload and the rate, in wall-clock time.
+    pub fn plan(&self, rate: f64, time_scale: f64) -> Plan {
+        let mut rng = SeededRng::new(0x6172_7269_7665 ^ rate.to_bits());
+        let mut t = 0.0f64;
+        let requests = self
+            .bodies
+            .iter()
+            .map(|(path, body, n)| {
+                // Exponential gaps: −ln(U) / rate, U uniform in (0, 1].
+                let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                t += -(1.0 - u).ln() / rate;
+                Request {
+                    at: Duration::from_secs_f64(t * time_scale),
+                    path,
+                    body: body.clone(),
+                    prompt_tokens: *n,
+                }
+            })
+            .collect();
+        Plan {
+            kind: self.kind,
+            rate,
+            requests,
+        }
+    }
+}
