@@ -115,6 +115,9 @@ pub async fn run_load(
                             tracing::warn!("vLLM's counters went back: the engine restarted");
                             shared.engine_restarted.notify_one();
                         }
+                        for name in shared.metrics.set_missing(&m.missing) {
+                            tracing::warn!(metric = name, "vLLM does not export a metric kvsight reads; it is read as a default");
+                        }
                         let at = Instant::now();
                         let tokens = m.prefill_computed_tokens_sum.unwrap_or(m.prompt_tokens);
                         rate.update(at, tokens, m.waiting > 0.0);

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub unrouted_requests: Gauge,
     pub warmup_seconds: Gauge<f64, AtomicU64>,
     pub scrape_errors: Counter,
+    /// 1 for each vLLM metric kvsight reads that the engine's exposition lacks.
+    pub engine_metrics_missing: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -68,6 +70,7 @@ impl Metrics {
             unrouted_requests: Gauge::default(),
             warmup_seconds: Gauge::default(),
             scrape_errors: Counter::default(),
+            engine_metrics_missing: Family::default(),
         };
         let r = &mut registry;
         r.register(
@@ -138,6 +141,11 @@ impl Metrics {
             "Failed scrapes of vLLM /metrics",
             m.scrape_errors.clone(),
         );
+        r.register(
+            "engine_metrics_missing",
+            "1 for each vLLM metric kvsight reads that the engine does not export (read as a default)",
+            m.engine_metrics_missing.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -175,6 +183,22 @@ impl Metrics {
         self.router_errors
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
+    }
+
+    /// Records which expected vLLM metrics the last scrape lacked; returns those newly missing.
+    pub fn set_missing(&self, missing: &[&'static str]) -> Vec<&'static str> {
+        let mut newly = Vec::new();
+        for name in crate::scrape::EXPECTED {
+            let g = self
+                .engine_metrics_missing
+                .get_or_create(&vec![("metric", name.to_owned())]);
+            let is = missing.contains(&name);
+            if is && g.get() == 0 {
+                newly.push(name);
+            }
+            g.set(i64::from(is));
+        }
+        newly
     }
 
     /// The text exposition.

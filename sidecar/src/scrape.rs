@@ -59,7 +59,26 @@ pub struct EngineMetrics {
     pub lora: Option<LoraInfo>,
     /// Number of distinct `engine` label values seen (data-parallel ranks).
     pub engines: usize,
+    /// Metrics kvsight reads that this exposition lacks (by their current vLLM name): the value
+    /// read for them is a default, so a missing one is a blind spot an operator must hear of.
+    pub missing: Vec<&'static str>,
 }
+
+/// The metrics [`parse`] reads and every vLLM since 0.14 exports (older names accepted where
+/// vLLM renamed them); the LoRA info exists only with LoRA on.
+pub const EXPECTED: [&str; 11] = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:request_prefill_kv_computed_tokens_sum",
+    "vllm:cache_config_info",
+];
 
 impl EngineMetrics {
     /// Whether a cumulative counter went back since `earlier`: counters only grow within one
@@ -171,11 +190,22 @@ pub fn parse(text: &str) -> Result<EngineMetrics, ScrapeError> {
     let mut kv_old = Vec::new();
     let (mut q_new, mut q_old, mut h_new, mut h_old) = (None, None, None, None);
     let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+    let mut found = [false; EXPECTED.len()];
     for s in &all {
         let Some(metric) = s.name.strip_prefix("vllm:") else {
             continue;
         };
         seen_vllm = true;
+        // A renamed metric counts under its current name.
+        let current = match metric {
+            "gpu_cache_usage_perc" => "kv_cache_usage_perc",
+            "gpu_prefix_cache_queries_total" => "prefix_cache_queries_total",
+            "gpu_prefix_cache_hits_total" => "prefix_cache_hits_total",
+            m => m,
+        };
+        if let Some(i) = EXPECTED.iter().position(|e| e[5..] == *current) {
+            found[i] = true;
+        }
         if let Some(e) = s.labels.get("engine") {
             engines.insert(e.clone());
         }
@@ -216,6 +246,12 @@ pub fn parse(text: &str) -> Result<EngineMetrics, ScrapeError> {
     m.prefix_cache_queries = q_new.or(q_old).unwrap_or(0.0);
     m.prefix_cache_hits = h_new.or(h_old).unwrap_or(0.0);
     m.engines = engines.len().max(1);
+    m.missing = EXPECTED
+        .iter()
+        .zip(found)
+        .filter(|(_, f)| !f)
+        .map(|(e, _)| *e)
+        .collect();
     Ok(m)
 }
 

@@ -33,6 +33,11 @@ fn reads_vllm_0_33_exposition() {
     assert!(lora.waiting.is_empty());
     assert_eq!(lora.max_lora, Some(4));
     assert_eq!(m.engines, 1);
+    assert!(
+        m.missing.is_empty(),
+        "vLLM 0.33 exports all: {:?}",
+        m.missing
+    );
 }
 
 #[test]
@@ -58,6 +63,17 @@ vllm:cache_config_info{block_size="32",enable_prefix_caching="False",num_gpu_blo
     assert_eq!(cc.prefix_caching_hash_algo, None);
     assert_eq!(m.engines, 2);
     assert_eq!(m.lora, None);
+    // Renamed metrics count under their new names; the ones this old exposition lacks are named.
+    assert_eq!(
+        m.missing,
+        [
+            "vllm:num_preemptions_total",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:request_success_total",
+            "vllm:request_prefill_kv_computed_tokens_sum",
+        ]
+    );
 }
 
 #[test]
