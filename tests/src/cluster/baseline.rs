@@ -19,6 +19,11 @@ pub enum BlindMode {
     RoundRobin,
     /// The pod with the fewest of *this router's* requests in flight; ties go to the first pod.
     LeastRequest,
+    /// The pod with the shortest queue by the engines' own counts (waiting, then running, read
+    /// from each pod's `/metrics` at the pick): what a load-aware router without a cache view
+    /// falls back to — and what kvsight did when every pod was saturated, before its saturation
+    /// rule was measured in time.
+    ShortestQueue,
 }
 
 /// A picker over fixed pod URLs that sends straight to vLLM.
@@ -44,17 +49,40 @@ impl BlindRouter {
     }
 
     /// Picks a pod and counts the request in flight there, under one lock so concurrent picks
-    /// see each other.
-    fn start(&self) -> usize {
+    /// see each other; `queues` are the engines' (waiting, running) for the shortest queue.
+    fn start(&self, queues: &[(u64, u64)]) -> usize {
         let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         let i = match self.mode {
             BlindMode::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % self.urls.len(),
             BlindMode::LeastRequest => (0..self.urls.len())
                 .min_by_key(|&i| (inflight[i], i))
                 .unwrap_or(0),
+            BlindMode::ShortestQueue => (0..self.urls.len())
+                .min_by_key(|&i| (queues.get(i).copied().unwrap_or_default(), inflight[i], i))
+                .unwrap_or(0),
         };
         inflight[i] += 1;
         i
+    }
+
+    /// Every pod's (waiting, running) from its own `/metrics`.
+    async fn queues(&self) -> Result<Vec<(u64, u64)>, ClusterError> {
+        let mut out = Vec::with_capacity(self.urls.len());
+        for url in &self.urls {
+            let text = self
+                .http
+                .get(format!("{url}/metrics"))
+                .send()
+                .await?
+                .text()
+                .await?;
+            let c = super::parse_counters(&text).map_err(|message| ClusterError::Pod {
+                pod: url.clone(),
+                message,
+            })?;
+            out.push((c.waiting as u64, c.running as u64));
+        }
+        Ok(out)
     }
 
     fn finish(&self, i: usize) {
@@ -64,7 +92,11 @@ impl BlindRouter {
 
     /// Picks a pod and POSTs `body` to `path` there; returns the pod's index and the outcome.
     pub async fn post(&self, path: &str, body: &Value) -> Result<(usize, Routed), ClusterError> {
-        let i = self.start();
+        let queues = match self.mode {
+            BlindMode::ShortestQueue => self.queues().await?,
+            _ => Vec::new(),
+        };
+        let i = self.start(&queues);
         let result = post_json(&self.http, &format!("{}{path}", self.urls[i]), body).await;
         self.finish(i);
         Ok((i, result?))
