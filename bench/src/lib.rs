@@ -100,7 +100,7 @@ pub async fn run(opts: Options) -> Result<Outcome> {
         let rates = if !opts.rates.is_empty() {
             opts.rates.clone()
         } else if opts.quick {
-            vec![w.rates[1], w.rates[3]]
+            w.rates[1..].to_vec()
         } else {
             w.rates.clone()
         };

@@ -186,14 +186,14 @@ pub fn build(
         Kind::SharedPrefix => {
             // The demo's: 40 guidelines (≈ 756 tokens), then "Question n: name one factor."
             let preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(40, 7);
-            count = if quick { 150 } else { 300 };
+            count = if quick { 200 } else { 300 };
             for n in 0..count {
                 let p = format!("{preamble}Question {n}: name one factor.");
                 push_completion(&mut bodies, &p, cost.tokens(128));
             }
             shared_prompts = 1;
             shared_tokens = u64::from(completion_tokens(tok, &preamble));
-            rates = vec![10.0, 20.0, 40.0, 60.0];
+            rates = vec![64.0, 128.0, 192.0];
         }
         Kind::MultiTenant | Kind::MixedFaults => {
             // b2b-saas: 150 groups × 5 users, 6k system prompt, 1.2k question, 1k output. Counts
@@ -202,7 +202,7 @@ pub fn build(
             let systems: Vec<String> = (0..groups)
                 .map(|g| system_prompt(tok, &mut rng, cost.tokens(6000), &format!("tenant {g}")))
                 .collect();
-            count = if quick { 300 } else { 480 };
+            count = if quick { 300 } else { 360 };
             for _ in 0..count {
                 let g = rng.below(groups);
                 let user = rng.below(5);
@@ -219,15 +219,14 @@ pub fn build(
                 .iter()
                 .map(|s| u64::from(completion_tokens(tok, s)))
                 .sum();
-            rates = vec![4.0, 8.0, 12.0, 16.0];
+            rates = vec![32.0, 64.0, 96.0];
         }
         Kind::MultiTurn => {
             // ShareGPT-like sessions of 2–20 turns: a short shared system prompt, user turns of
             // ≈ 200 tokens, answers of ≈ 400, 16 sessions interleaved at a time.
             let system = system_prompt(tok, &mut rng, cost.tokens(400), "a support desk");
-            count = if quick { 200 } else { 400 };
+            count = if quick { 200 } else { 300 };
             let mut sessions: Vec<(Vec<(String, String)>, usize)> = Vec::new();
-            let mut next_session = 0;
             let mut total_sessions = 0;
             let mut shared = 0u64;
             let mut i = 0;
@@ -237,8 +236,9 @@ pub fn build(
                     sessions.push((Vec::new(), turns));
                     total_sessions += 1;
                 }
-                let idx = next_session % sessions.len();
-                next_session += 1;
+                // A random live session takes the next turn: users do not take turns in order
+                // (and a rotation would line sessions up with a round-robin router's pods).
+                let idx = rng.below(sessions.len());
                 let (history, _) = &mut sessions[idx];
                 let lead = format!("{}\n", question(&mut rng));
                 let user = text_of(tok, &mut rng, cost.tokens(200), &lead);
@@ -266,7 +266,7 @@ pub fn build(
             shared_prompts = total_sessions;
             // Sessions alive at once hold their histories: 16 of up to 20 turns.
             shared_tokens = shared * 16 / 2;
-            rates = vec![4.0, 8.0, 12.0, 16.0];
+            rates = vec![32.0, 64.0, 96.0];
         }
         Kind::Agentic => {
             // inference-perf code generation: agents with 3k–30k-token tool prompts, sessions of
@@ -283,7 +283,7 @@ pub fn build(
                     )
                 })
                 .collect();
-            count = if quick { 200 } else { 400 };
+            count = if quick { 200 } else { 300 };
             // 3 sessions per agent at a time, each growing turn by turn, up to 12 turns.
             let mut histories: Vec<Vec<(String, String)>> = vec![Vec::new(); agents * 3];
             for _ in 0..count {
@@ -314,10 +314,10 @@ pub fn build(
                 .iter()
                 .map(|s| u64::from(completion_tokens(tok, s)))
                 .sum();
-            rates = vec![4.0, 8.0, 12.0, 16.0];
+            rates = vec![32.0, 64.0, 96.0];
         }
         Kind::Unique => {
-            count = if quick { 200 } else { 400 };
+            count = if quick { 200 } else { 300 };
             for n in 0..count {
                 let p = text_of(
                     tok,
@@ -329,7 +329,7 @@ pub fn build(
             }
             shared_prompts = 0;
             shared_tokens = 0;
-            rates = vec![8.0, 16.0, 24.0, 32.0];
+            rates = vec![24.0, 48.0, 72.0];
         }
     }
     // The shared prompts overflow one pod's cache (it holds half of them) and fit the cluster's
