@@ -2,8 +2,8 @@
 //! producing + applying a delta. Run with `cargo xtask bench -- --bench protocol` or
 //! `cargo bench -p kvsight-protocol`; with `--features tokenizer` also tokenize + hash of a ~2k-token
 //! chat with a Llama-3-shaped tokenizer, fast path vs `tokenizers`' full pipeline, and of a
-//! ~2.5k-token chat with Phi-3-mini's sentencepiece-style tokenizer when its fixture is beside
-//! the checkout (`../shared/fixtures`).
+//! ~3.9k-token chat with Phi-3-mini's sentencepiece-style tokenizer (both dialects) when its
+//! fixture is beside the checkout (`../shared/fixtures`).
 
 use std::hint::black_box;
 
@@ -302,12 +302,13 @@ const PHI3_DIR: &str = concat!(
     "/../../shared/fixtures/tokenizers/phi-3-mini"
 );
 
-/// Tokenize + hash a ~2.5k-token chat rendered with Phi-3-mini's template (a system prompt of
+/// Tokenize + hash a ~3.9k-token chat rendered with Phi-3-mini's template (a system prompt of
 /// pseudo-text sentences and one question), BPE word cache warm: the sentencepiece fast path
-/// against `tokenizers`' full pipeline.
+/// against `tokenizers`' full pipeline, in the transformers 4 and the transformers 5 (rebuilt)
+/// dialects.
 #[cfg(feature = "tokenizer")]
 fn tokenize_phi3(c: &mut Criterion) {
-    use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
+    use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
 
     let dir = std::path::Path::new(PHI3_DIR);
     let (Ok(json), Ok(config)) = (
@@ -331,24 +332,31 @@ fn tokenize_phi3(c: &mut Criterion) {
         .expect("render");
     let seed = ChainSeed::BASE;
     let ids = tok.encode(&chat, false).expect("fast");
-    assert_eq!(ids, tok.encode_reference(&chat, false).expect("full"));
     eprintln!("phi-3 chat: {} tokens, {} bytes", ids.len(), chat.len());
     let mut g = c.benchmark_group(format!("tokenize_and_hash_phi3_chat_{}_tokens", ids.len()));
-    g.bench_function(BenchmarkId::new("fast_path", "warm"), |b| {
-        b.iter(|| {
-            hash_chain(
-                &seed,
-                &tok.encode(black_box(&chat), false).expect("fast"),
-                16,
-            )
-        })
-    });
-    g.bench_function(BenchmarkId::new("full_pipeline", "warm"), |b| {
-        b.iter(|| {
-            let ids = tok.encode_reference(black_box(&chat), false).expect("full");
-            hash_chain(&seed, &ids, 16)
-        })
-    });
+    // transformers 4's reading of the files, and transformers 5's rebuilt one.
+    for dialect in [Dialect::Transformers4, Dialect::Transformers5Rebuilt] {
+        let tok = tok.in_dialect(dialect).expect("dialect");
+        assert_eq!(
+            tok.encode(&chat, false).expect("fast"),
+            tok.encode_reference(&chat, false).expect("full")
+        );
+        g.bench_function(BenchmarkId::new("fast_path", dialect), |b| {
+            b.iter(|| {
+                hash_chain(
+                    &seed,
+                    &tok.encode(black_box(&chat), false).expect("fast"),
+                    16,
+                )
+            })
+        });
+        g.bench_function(BenchmarkId::new("full_pipeline", dialect), |b| {
+            b.iter(|| {
+                let ids = tok.encode_reference(black_box(&chat), false).expect("full");
+                hash_chain(&seed, &ids, 16)
+            })
+        });
+    }
     g.finish();
 }
 
