@@ -1,7 +1,9 @@
 //! The protocol's hot paths: hashing a prompt, matching a chain against every pod's filter, and
 //! producing + applying a delta. Run with `cargo xtask bench -- --bench protocol` or
 //! `cargo bench -p kvsight-protocol`; with `--features tokenizer` also tokenize + hash of a ~2k-token
-//! chat with a Llama-3-shaped tokenizer, fast path vs `tokenizers`' full pipeline.
+//! chat with a Llama-3-shaped tokenizer, fast path vs `tokenizers`' full pipeline, and of a
+//! ~3.9k-token chat with Phi-3-mini's sentencepiece-style tokenizer (both dialects) when its
+//! fixture is beside the checkout (`../shared/fixtures`).
 
 use std::hint::black_box;
 
@@ -164,7 +166,7 @@ mod llama3 {
     const PUNCT: &[&str] = &[", ", ". ", "; ", ": ", " (", ") ", "'s ", " - ", "? ", "! "];
 
     /// One sentence of pseudo-words, numbers and punctuation.
-    fn sentence(rng: &mut SplitMix) -> String {
+    pub(super) fn sentence(rng: &mut SplitMix) -> String {
         let mut s = String::new();
         for _ in 0..8 + rng.next() % 10 {
             let syllables = 1 + rng.next() % 3;
@@ -293,13 +295,79 @@ fn tokenize_llama3(c: &mut Criterion) {
     g.finish();
 }
 
+/// The Phi-3-mini fixture (`../shared/fixtures`), absent on machines without the shared folder.
+#[cfg(feature = "tokenizer")]
+const PHI3_DIR: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/fixtures/tokenizers/phi-3-mini"
+);
+
+/// Tokenize + hash a ~3.9k-token chat rendered with Phi-3-mini's template (a system prompt of
+/// pseudo-text sentences and one question), BPE word cache warm: the sentencepiece fast path
+/// against `tokenizers`' full pipeline, in the transformers 4 and the transformers 5 (rebuilt)
+/// dialects.
+#[cfg(feature = "tokenizer")]
+fn tokenize_phi3(c: &mut Criterion) {
+    use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
+
+    let dir = std::path::Path::new(PHI3_DIR);
+    let (Ok(json), Ok(config)) = (
+        std::fs::read(dir.join("tokenizer.json")),
+        std::fs::read(dir.join("tokenizer_config.json")),
+    ) else {
+        eprintln!("skipped: tokenize_phi3: fixture {PHI3_DIR} absent");
+        return;
+    };
+    let tok = ModelTokenizer::from_bytes(&json, Some(&config)).expect("phi-3 tokenizer");
+    let mut rng = SplitMix(3);
+    let system: String = (1..=100)
+        .map(|i| format!("{i}. {}", llama3::sentence(&mut rng)))
+        .collect();
+    let messages = [
+        ChatMessage::new("system", system),
+        ChatMessage::new("user", llama3::sentence(&mut rng)),
+    ];
+    let chat = tok
+        .render_chat(&messages, true, &ChatExtras::default())
+        .expect("render");
+    let seed = ChainSeed::BASE;
+    let ids = tok.encode(&chat, false).expect("fast");
+    eprintln!("phi-3 chat: {} tokens, {} bytes", ids.len(), chat.len());
+    let mut g = c.benchmark_group(format!("tokenize_and_hash_phi3_chat_{}_tokens", ids.len()));
+    // transformers 4's reading of the files, and transformers 5's rebuilt one.
+    for dialect in [Dialect::Transformers4, Dialect::Transformers5Rebuilt] {
+        let tok = tok.in_dialect(dialect).expect("dialect");
+        assert_eq!(
+            tok.encode(&chat, false).expect("fast"),
+            tok.encode_reference(&chat, false).expect("full")
+        );
+        g.bench_function(BenchmarkId::new("fast_path", dialect), |b| {
+            b.iter(|| {
+                hash_chain(
+                    &seed,
+                    &tok.encode(black_box(&chat), false).expect("fast"),
+                    16,
+                )
+            })
+        });
+        g.bench_function(BenchmarkId::new("full_pipeline", dialect), |b| {
+            b.iter(|| {
+                let ids = tok.encode_reference(black_box(&chat), false).expect("full");
+                hash_chain(&seed, &ids, 16)
+            })
+        });
+    }
+    g.finish();
+}
+
 #[cfg(feature = "tokenizer")]
 criterion_group!(
     benches,
     hash_prompt,
     longest_prefix,
     delta_roundtrip,
-    tokenize_llama3
+    tokenize_llama3,
+    tokenize_phi3
 );
 #[cfg(not(feature = "tokenizer"))]
 criterion_group!(benches, hash_prompt, longest_prefix, delta_roundtrip);

@@ -8,6 +8,11 @@
 //! transformers configures jinja2 (`trim_blocks`, `lstrip_blocks`, `raise_exception`, a
 //! Python-style `tojson`, Python string methods, loop controls, special tokens in the context),
 //! and then encoded with `add_special_tokens=false`, because the template already wrote them.
+//!
+//! The same files give other ids under transformers 5 than under transformers 4 (vLLM moved to
+//! 5 in 0.32): a tokenizer is built in one [`Dialect`], and [`ModelTokenizer::dialects`] says
+//! which dialects give ids of their own for these files, so a caller can ask an engine which
+//! one it follows (the router's tokenizer check does).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -20,16 +25,18 @@ use sha2::{Digest as _, Sha256};
 mod byte_level;
 mod config;
 mod conversation;
+mod dialect;
 mod sentencepiece;
 mod split;
 mod template;
 
 use byte_level::ByteLevelFastPath;
 use config::{
-    SPECIAL_TOKEN_KEYS, apply_bos_eos_flags, config_chat_template, parse_config,
+    SPECIAL_TOKEN_KEYS, bos_eos_processor, config_chat_template, parse_config,
     register_config_tokens, token_content,
 };
 use conversation::{conversation, cut_after_final_message};
+pub use dialect::{Dialect, UnknownDialect};
 use sentencepiece::SentencePieceFastPath;
 use split::SplitFastPath;
 use template::ChatTemplate;
@@ -69,6 +76,10 @@ pub enum TokenizerError {
     /// The `tokenizers` crate refused to encode or decode.
     #[error("tokenization failed: {0}")]
     Encode(String),
+    /// The dialect is not one these files can be read in (transformers 5 rebuilds only
+    /// sentencepiece-style BPE tokenizers as a `LlamaTokenizer`).
+    #[error("the {0} dialect does not apply to this tokenizer (not a sentencepiece-style BPE)")]
+    DialectDoesNotApply(Dialect),
 }
 
 /// How message content is handed to the template, as vLLM's `--chat-template-content-format`.
@@ -159,6 +170,9 @@ pub struct ModelTokenizer {
     content_format: ContentFormat,
     inputs: Arc<Inputs>,
     digest: [u8; 32],
+    dialect: Dialect,
+    /// The dialects that give ids of their own for these files, [`Dialect::Transformers4`] first.
+    dialects: Arc<[Dialect]>,
 }
 
 /// A faster road to `tokenizers`' ids for one tokenizer shape (each module says why it is exact).
@@ -191,7 +205,9 @@ struct Inputs {
 
 impl ModelTokenizer {
     /// Builds a tokenizer from the bytes of `tokenizer.json` and, optionally,
-    /// `tokenizer_config.json` (special tokens and `chat_template`).
+    /// `tokenizer_config.json` (special tokens and `chat_template`), in the
+    /// [`Transformers4`](Dialect::Transformers4) dialect ([`in_dialect`](Self::in_dialect) for
+    /// another).
     ///
     /// Truncation and padding stored in `tokenizer.json` are switched off: transformers turns
     /// them off for every call that does not ask for them, and vLLM never does.
@@ -199,14 +215,47 @@ impl ModelTokenizer {
         tokenizer_json: &[u8],
         tokenizer_config_json: Option<&[u8]>,
     ) -> Result<Self, TokenizerError> {
-        let mut tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+        let inputs = Inputs {
+            tokenizer_json: tokenizer_json.to_vec(),
+            tokenizer_config_json: tokenizer_config_json.map(<[u8]>::to_vec),
+            template_override: None,
+        };
+        Self::build(Arc::new(inputs), Dialect::default(), ContentFormat::Auto)
+    }
+
+    /// The same files (and template override, and content format) read in `dialect`. Fails with
+    /// [`TokenizerError::DialectDoesNotApply`] for [`Dialect::Transformers5Rebuilt`] when the
+    /// tokenizer is not sentencepiece-style.
+    pub fn in_dialect(&self, dialect: Dialect) -> Result<Self, TokenizerError> {
+        Self::build(self.inputs.clone(), dialect, self.content_format)
+    }
+
+    /// The dialect these ids are in.
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// The dialects that give ids of their own for these files, in [`Dialect::ALL`]'s order: a
+    /// dialect left out gives the same ids as one listed before it for every text (a byte-level
+    /// BPE tokenizer has no rebuilt dialect; transformers 5 reads it as transformers 4 does
+    /// unless the config's BOS/EOS flags change transformers 4's post-processor).
+    pub fn dialects(&self) -> &[Dialect] {
+        &self.dialects
+    }
+
+    fn build(
+        inputs: Arc<Inputs>,
+        dialect: Dialect,
+        content_format: ContentFormat,
+    ) -> Result<Self, TokenizerError> {
+        let mut tokenizer = tokenizers::Tokenizer::from_bytes(&inputs.tokenizer_json)
             .map_err(|e| TokenizerError::InvalidTokenizer(e.to_string()))?;
         tokenizer
             .with_truncation(None)
             .map_err(|e| TokenizerError::InvalidTokenizer(e.to_string()))?;
         tokenizer.with_padding(None);
 
-        let config = match tokenizer_config_json {
+        let config = match &inputs.tokenizer_config_json {
             Some(bytes) => parse_config(bytes)?,
             None => serde_json::Map::new(),
         };
@@ -226,12 +275,21 @@ impl ModelTokenizer {
             &special_tokens,
             &additional_special_tokens,
         )?;
-        apply_bos_eos_flags(&mut tokenizer, &config, &special_tokens)?;
-        let template_source = config_chat_template(&config)?;
-        let inputs = Inputs {
-            tokenizer_json: tokenizer_json.to_vec(),
-            tokenizer_config_json: tokenizer_config_json.map(<[u8]>::to_vec),
-            template_override: None,
+        let flags_processor = bos_eos_processor(&tokenizer, &config, &special_tokens)?;
+        let scheme = dialect::rebuilt_prepend_scheme(&config);
+        let dialects = dialect::distinct(&tokenizer, flags_processor.as_ref(), scheme);
+        match dialect {
+            Dialect::Transformers4 => {
+                if let Some(processor) = flags_processor {
+                    tokenizer.with_post_processor(Some(processor));
+                }
+            }
+            Dialect::Transformers5 => {}
+            Dialect::Transformers5Rebuilt => dialect::rebuild_llama(&mut tokenizer, scheme)?,
+        }
+        let template_source = match &inputs.template_override {
+            Some(source) => Some(source.clone()),
+            None => config_chat_template(&config)?,
         };
         let digest = inputs.digest();
         let mut this = Self {
@@ -241,9 +299,11 @@ impl ModelTokenizer {
             template_source: None,
             special_tokens,
             additional_special_tokens,
-            content_format: ContentFormat::Auto,
-            inputs: Arc::new(inputs),
+            content_format,
+            inputs,
             digest,
+            dialect,
+            dialects: dialects.into(),
         };
         if let Some(source) = template_source {
             this.template = ChatTemplate::new(source.clone()).map(Arc::new);
@@ -276,7 +336,8 @@ impl ModelTokenizer {
     }
 
     /// sha256 over the inputs (tokenizer.json, tokenizer_config.json, template override):
-    /// equal digests mean equal token ids for every prompt.
+    /// equal digests and equal [`dialect`](Self::dialect)s mean equal token ids for every
+    /// prompt.
     pub fn digest(&self) -> [u8; 32] {
         self.digest
     }
@@ -329,7 +390,7 @@ impl ModelTokenizer {
                 None,
                 text,
                 add_special_tokens,
-                |split, emit| fast.words(split, emit),
+                |split, at_start, emit| fast.words(split, at_start, emit),
             ),
             Some(FastPath::Split(fast)) => self.encode_or_fall_back(
                 self.tokenizer.get_normalizer(),
@@ -359,7 +420,7 @@ impl ModelTokenizer {
             normalizer,
             text,
             add_special_tokens,
-            |split, emit| {
+            |split, _, emit| {
                 if !full_pipeline {
                     full_pipeline = words(split, emit)?.is_err();
                 }
@@ -491,15 +552,17 @@ type WordSink<'a> = dyn FnMut(&str) -> Result<(), TokenizerError> + 'a;
 /// off by the crate's own `AddedVocabulary`, which also runs `normalizer` on the text between
 /// them exactly as the full pipeline does (a fast path that normalizes by hand passes `None`);
 /// `words` cuts each text between them into words the
-/// BPE model can merge on their own, in the model's alphabet, and passes each to its sink; the
-/// model merges each word (through its cache); the post-processor adds the special tokens by
-/// id (token strings and offsets, which only `Encoding`'s other fields carry, are left empty).
+/// BPE model can merge on their own, in the model's alphabet, and passes each to its sink (it is
+/// told whether the text starts at byte 0 of the input, which transformers 5's `Metaspace`
+/// looks at); the model merges each word (through its cache); the post-processor adds the
+/// special tokens by id (token strings and offsets, which only `Encoding`'s other fields carry,
+/// are left empty).
 fn encode_by_words(
     tokenizer: &tokenizers::Tokenizer,
     normalizer: Option<&tokenizers::NormalizerWrapper>,
     text: &str,
     add_special_tokens: bool,
-    mut words: impl FnMut(&str, &mut WordSink<'_>) -> Result<(), TokenizerError>,
+    mut words: impl FnMut(&str, bool, &mut WordSink<'_>) -> Result<(), TokenizerError>,
 ) -> Result<Vec<u32>, TokenizerError> {
     let encode_err = |e: tokenizers::Error| TokenizerError::Encode(e.to_string());
     let splits = tokenizer
@@ -507,13 +570,14 @@ fn encode_by_words(
         .extract_and_normalize(normalizer, text);
     let model = tokenizer.get_model();
     let mut ids: Vec<u32> = Vec::with_capacity(text.len() / 3);
-    for (split, _, added) in splits.get_splits(
+    // Offsets in the original text, as the crate's own pre-tokenizers see them.
+    for (split, (start, _), added) in splits.get_splits(
         tokenizers::OffsetReferential::Original,
-        tokenizers::OffsetType::None,
+        tokenizers::OffsetType::Byte,
     ) {
         match added {
             Some(added) => ids.extend(added.iter().map(|t| t.id)),
-            None => words(split, &mut |word| {
+            None => words(split, start == 0, &mut |word| {
                 let merged = tokenizers::Model::tokenize(model, word).map_err(encode_err)?;
                 ids.extend(merged.iter().map(|t| t.id));
                 Ok(())

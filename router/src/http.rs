@@ -72,8 +72,9 @@ async fn ready(AxState(state): S) -> Response {
 
 async fn metrics(AxState(state): S) -> Response {
     let text = {
+        let tokenizers = state.tokenizers.models();
         let reg = state.registry();
-        state.metrics.render(&reg, Instant::now())
+        state.metrics.render(&reg, &tokenizers, Instant::now())
     };
     (
         [(
@@ -163,16 +164,18 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
         .tokenizers
         .models()
         .into_iter()
-        .map(|(model, digest, verdict, versions)| {
-            let (v, why) = match verdict {
+        .map(|t| {
+            let (v, why) = match t.verdict {
                 Verdict::Unchecked => ("unchecked", None),
-                Verdict::Agrees => ("agrees", None),
+                Verdict::Agrees(_) => ("agrees", None),
                 Verdict::Differs(why) => ("differs", Some(why)),
             };
+            let dialects: Vec<&str> = t.dialects.iter().map(|d| d.as_str()).collect();
             (
-                model,
-                json!({"digest": digest, "verdict": v, "difference": why,
-                       "agreed_engine_versions": versions}),
+                t.model,
+                json!({"digest": t.digest, "verdict": v, "difference": why,
+                       "agreed_engine_versions": t.agreed_versions,
+                       "dialect": t.dialect.as_str(), "dialects": dialects}),
             )
         })
         .collect();

@@ -15,6 +15,7 @@ use prometheus_client::registry::Registry as PromRegistry;
 use kvsight_protocol::Phase;
 
 use crate::pods::Registry;
+use crate::tokenize::{TokenizerStatus, Verdict};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -37,6 +38,8 @@ pub struct Metrics {
     pub prefix_mode: Family<Labels, Counter>,
     /// Comparisons of a tokenizer with an engine's `/tokenize`, by model and outcome.
     pub tokenizer_checks: Family<Labels, Counter>,
+    /// 1 per model for the dialect its prompts are tokenized in (absent in approximate mode).
+    tokenizer_dialect: Family<Labels, Gauge>,
     pods: Family<Labels, Gauge>,
     inflight: Family<Labels, Gauge>,
     unrouted: Family<Labels, Gauge>,
@@ -72,6 +75,7 @@ impl Metrics {
             tls_reloads: Family::default(),
             prefix_mode: Family::default(),
             tokenizer_checks: Family::default(),
+            tokenizer_dialect: Family::default(),
             pods: Family::default(),
             inflight: Family::default(),
             unrouted: Family::default(),
@@ -136,6 +140,13 @@ impl Metrics {
             "Tokenizers compared with an engine's /tokenize, by model and outcome (agrees, \
              differs: the model is routed in approximate mode, error: no answer, tried again)",
             m.tokenizer_checks.clone(),
+        );
+        prom.register(
+            "kvsight_router_tokenizer_dialect_info",
+            "1 for the dialect each model's prompts are tokenized in: transformers4 (also until \
+             the check), transformers5 (tokenizer.json as is) or transformers5_rebuilt \
+             (transformers 5's LlamaTokenizer); no series while the model is in approximate mode",
+            m.tokenizer_dialect.clone(),
         );
         prom.register(
             "kvsight_router_pods",
@@ -217,8 +228,20 @@ impl Metrics {
             .inc();
     }
 
-    /// Refreshes the per-pod gauges from the registry and renders the text exposition.
-    pub fn render(&self, reg: &Registry, now: Instant) -> String {
+    /// Refreshes the per-pod gauges from the registry and the dialect gauge from the
+    /// tokenizers, and renders the text exposition.
+    pub fn render(&self, reg: &Registry, tokenizers: &[TokenizerStatus], now: Instant) -> String {
+        self.tokenizer_dialect.clear();
+        for t in tokenizers {
+            if !matches!(t.verdict, Verdict::Differs(_)) {
+                self.tokenizer_dialect
+                    .get_or_create(&vec![
+                        ("model", t.model.clone()),
+                        ("dialect", t.dialect.as_str().to_owned()),
+                    ])
+                    .set(1);
+            }
+        }
         self.pods.clear();
         self.inflight.clear();
         self.unrouted.clear();

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, ModelTokenizer, TokenizerError};
+use kvsight_protocol::tokenizer::{
+    ChatExtras, ChatMessage, Dialect, ModelTokenizer, TokenizerError,
+};
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
 
 /// Characters per pseudo-token in approximate mode: about one real token of English text.
@@ -35,6 +37,22 @@ pub trait PromptTokenizer: Send + Sync {
     /// A chat request body (`messages`, `add_generation_prompt`, `chat_template_kwargs`, …),
     /// rendered with the model's template and tokenized without adding special tokens again.
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError>;
+    /// The dialect (transformers 4 or 5's reading of the files) these ids are in.
+    fn dialect(&self) -> Dialect {
+        Dialect::default()
+    }
+    /// The dialects that give ids of their own for the same files, in order of preference: the
+    /// tokenizer check tries each against the engine. Only [`dialect`](Self::dialect) unless
+    /// the tokenizer can be read in others.
+    fn dialects(&self) -> Vec<Dialect> {
+        vec![self.dialect()]
+    }
+    /// The same files read in `dialect` (one of [`dialects`](Self::dialects)).
+    fn in_dialect(&self, dialect: Dialect) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> {
+        Err(TokenizeError::Tokenizer(format!(
+            "this tokenizer has no {dialect} dialect"
+        )))
+    }
 }
 
 /// Builds a tokenizer from the files a sidecar sent or the config names.
@@ -44,6 +62,7 @@ pub type TokenizerLoader =
 /// A tokenizer with the digest of the files it was built from and what the engine said of it.
 struct Entry {
     digest: String,
+    /// In the dialect an engine agreed with (until a check: the files' transformers 4 reading).
     tok: Arc<dyn PromptTokenizer>,
     verdict: Verdict,
     /// Engine versions whose pods agreed: a pod of another version (an engine upgraded in
@@ -52,6 +71,21 @@ struct Entry {
     /// Checks that got no answer in a row, and when the next one may run.
     failed_checks: u32,
     next_check: Option<Instant>,
+}
+
+/// What the router knows of one model's tokenizer (`/debug/pods`, metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizerStatus {
+    pub model: String,
+    pub digest: String,
+    pub verdict: Verdict,
+    /// Engine versions whose pods agreed.
+    pub agreed_versions: Vec<String>,
+    /// The dialect the router tokenizes this model in (while [`Verdict::Differs`] it is not
+    /// used at all).
+    pub dialect: Dialect,
+    /// The dialects the files can be read in with ids of their own (the check's candidates).
+    pub dialects: Vec<Dialect>,
 }
 
 /// A tokenizer that may need a check: see [`Tokenizers::due`].
@@ -66,10 +100,12 @@ pub struct Due {
 /// Whether a tokenizer gives the engine's own ids (`crate::tokenizer_check` asks a pod).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    /// Not yet compared: used meanwhile (a wrong one costs cache affinity, never correctness).
+    /// Not yet compared: used meanwhile, in its transformers 4 dialect (a wrong one costs cache
+    /// affinity, never correctness).
     Unchecked,
-    /// A pod's `/tokenize` gave the same ids for the probe prompts.
-    Agrees,
+    /// A pod's `/tokenize` gave the same ids for the probe prompts as the tokenizer read in this
+    /// dialect, which the router now uses.
+    Agrees(Dialect),
     /// A pod's `/tokenize` gave other ids: the router's chains could never match the pods'
     /// blocks, so the model is routed in approximate mode and `/tokenize` is forwarded.
     Differs(String),
@@ -125,21 +161,21 @@ impl Tokenizers {
         map.get(model).map(|e| e.verdict.clone())
     }
 
-    /// Every tokenizer: (model, digest, verdict, engine versions agreed with), by model.
-    pub fn models(&self) -> Vec<(String, String, Verdict, Vec<String>)> {
+    /// Every tokenizer, by model.
+    pub fn models(&self) -> Vec<TokenizerStatus> {
         let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<_> = map
             .iter()
-            .map(|(m, e)| {
-                (
-                    m.clone(),
-                    e.digest.clone(),
-                    e.verdict.clone(),
-                    e.agreed_versions.clone(),
-                )
+            .map(|(m, e)| TokenizerStatus {
+                model: m.clone(),
+                digest: e.digest.clone(),
+                verdict: e.verdict.clone(),
+                agreed_versions: e.agreed_versions.clone(),
+                dialect: e.tok.dialect(),
+                dialects: e.tok.dialects(),
             })
             .collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.sort_by(|a, b| a.model.cmp(&b.model));
         out
     }
 
@@ -189,13 +225,25 @@ impl Tokenizers {
 
     /// Records a verdict obtained from a pod of `engine_version`, unless the model's tokenizer
     /// was replaced since it was checked. A difference is final for these files; an agreement
-    /// adds the version to those agreed with.
-    pub fn set_verdict(&self, model: &str, digest: &str, engine_version: &str, verdict: Verdict) {
+    /// adds the version to those agreed with and, when the engine agreed with another dialect
+    /// than the one in use, puts `chosen` (the files read in that dialect) in its place.
+    pub fn set_verdict(
+        &self,
+        model: &str,
+        digest: &str,
+        engine_version: &str,
+        verdict: Verdict,
+        chosen: Option<Arc<dyn PromptTokenizer>>,
+    ) {
         let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = map.get_mut(model).filter(|e| e.digest == digest) {
-            if verdict == Verdict::Agrees && !e.agreed_versions.iter().any(|v| v == engine_version)
+            if let Verdict::Agrees(_) = verdict
+                && !e.agreed_versions.iter().any(|v| v == engine_version)
             {
                 e.agreed_versions.push(engine_version.to_owned());
+            }
+            if let Some(tok) = chosen {
+                e.tok = tok;
             }
             e.failed_checks = 0;
             e.next_check = None;
@@ -273,6 +321,19 @@ impl PromptTokenizer for ModelTokenizer {
             &extras,
         )
         .map_err(tok_err)
+    }
+
+    fn dialect(&self) -> Dialect {
+        ModelTokenizer::dialect(self)
+    }
+
+    fn dialects(&self) -> Vec<Dialect> {
+        ModelTokenizer::dialects(self).to_vec()
+    }
+
+    fn in_dialect(&self, dialect: Dialect) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> {
+        let tok = ModelTokenizer::in_dialect(self, dialect).map_err(tok_err)?;
+        Ok(Arc::new(tok))
     }
 }
 

@@ -389,7 +389,9 @@ async fn config_reload_applies_a_valid_file_and_rejects_an_invalid_one() {
     std::fs::write(&path, "timeouts:\n  requestSeconds: -1\n").unwrap();
     wait(2, &mut events).await;
     assert_eq!(st.live().config.scheduler.weights.prefix, 0.0);
-    let m = st.metrics.render(&st.registry(), std::time::Instant::now());
+    let m = st
+        .metrics
+        .render(&st.registry(), &[], std::time::Instant::now());
     assert!(
         m.contains(r#"kvsight_router_config_reloads_total{outcome="applied"} 1"#),
         "{m}"

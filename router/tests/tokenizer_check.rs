@@ -1,14 +1,23 @@
 //! The router compares its tokenizer with the engine's own `/tokenize` (a vllm-sim pod over
-//! loopback HTTP): the same files agree and stay in exact mode; a skewed chat template is caught,
-//! the model falls back to approximate mode and `/tokenize` is forwarded to the engine; a pod that
-//! does not answer leaves the verdict open.
+//! loopback HTTP) and chooses the dialect the engine agrees with: the same files agree and stay
+//! in exact mode; an engine on transformers 5 that rebuilds a Llama-2-shaped tokenizer is matched
+//! in that dialect (and routed exactly, cached tokens predicted right, end to end); one on
+//! transformers 4 keeps that dialect; a skewed chat template agrees with no dialect and the model
+//! falls back to approximate mode, `/tokenize` forwarded to the engine; a pod that does not
+//! answer leaves the verdict open.
 
 mod common;
 
+use std::time::{Duration, Instant};
+
+use kvsight_protocol::hash::{ChainSeed, hash_chain};
+use kvsight_protocol::tokenizer::Dialect;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer, read_dir};
 use kvsight_router::tokenizer_check::check_pending;
+use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, WAIT, eventually};
+use kvsight_testbed::sim::engine::EngineConfig;
 use kvsight_testbed::sim::server::{
     SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles,
 };
@@ -22,13 +31,34 @@ fn own_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::Tokeniz
     kvsight_testbed::cluster::own_tokenizer_or_skip(test).map(|dir| read_dir(&dir).unwrap())
 }
 
+/// The project's Llama-2-shaped tokenizer files (sentencepiece-style: transformers 5 rebuilds
+/// it), or `None` (the test says "skipped") when they cannot be built here.
+fn llama2_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
+    match kvsight_testbed::llama2_tokenizer::ensure_dir() {
+        Ok(dir) => Some(read_dir(&dir).unwrap()),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
 async fn sim_with(files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles) -> SimPodHandle {
+    sim_in(files, Dialect::Transformers4).await
+}
+
+/// An engine serving `files` read in `dialect` (as vLLM on transformers 4, or on 5).
+async fn sim_in(
+    files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles,
+    dialect: Dialect,
+) -> SimPodHandle {
     SimPod::start(SimConfig {
         served_model_names: vec![MODEL.into()],
         tokenizer: Some(SimTokenizerFiles {
             tokenizer_json: files.tokenizer_json.clone(),
             tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
         }),
+        tokenizer_dialect: dialect,
         ..SimConfig::default()
     })
     .await
@@ -82,7 +112,10 @@ async fn the_engines_own_files_agree_and_keep_exact_mode() {
 
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
     assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers4))
+    );
     assert_eq!(
         check_pending(&st).await,
         0,
@@ -162,7 +195,10 @@ async fn a_skewed_chat_template_is_caught_and_the_model_falls_back_to_approximat
     st.tokenizers
         .insert(MODEL, files.digest(), model_tokenizer(&files).unwrap());
     assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers4))
+    );
 }
 
 /// `files` with its chat template changed by `f`.
@@ -200,7 +236,10 @@ async fn an_engine_whose_template_refuses_system_roles_is_still_checked() {
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
     assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers4))
+    );
 
     // And a skew in the rest of that template is still caught through the chat probe.
     let skewed = with_template(&files, |t| t.replace(r"'|>\n'", r"'|> '"));
@@ -225,7 +264,10 @@ async fn a_pod_of_a_new_engine_version_is_asked_again() {
     let st = with_tokenizer(&files);
     add_pod(&st, "old", &old.base_url(), &[], 0);
     assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees));
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers4))
+    );
 
     // The upgraded engine renders the same template differently (a stand-in for a new
     // transformers release): the same files, another version, other ids.
@@ -234,12 +276,12 @@ async fn a_pod_of_a_new_engine_version_is_asked_again() {
     h.engine.engine_version = "0.34.0".into();
     {
         let mut reg = st.registry();
-        let (key, conn) = reg.register(h, std::time::Instant::now());
+        let (key, conn) = reg.register(h, Instant::now());
         reg.apply_load(
             &key,
             conn,
             load(kvsight_protocol::messages::Phase::Ready, 0, 0),
-            std::time::Instant::now(),
+            Instant::now(),
         )
         .unwrap();
     }
@@ -280,4 +322,308 @@ async fn get_json(url: &str) -> (u16, Value, Option<String>) {
     let status = resp.status().as_u16();
     let text = resp.text().await.unwrap();
     (status, serde_json::from_str(&text).unwrap(), None)
+}
+
+/// A chat with a system prompt, where every message body follows an added token: transformers 4
+/// and 5 part ways at the first body.
+fn dialect_chat() -> Value {
+    json!({"model": MODEL, "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour, then two more."}]})
+}
+
+/// The engine's ids for `body`, and the router's (answered locally when it has a tokenizer in
+/// use, else forwarded).
+async fn ids_of(sim: &SimPodHandle, router: &str, body: &Value) -> (Value, Value) {
+    let (s, engine, _) = post(&format!("{}/tokenize", sim.base_url()), body).await;
+    assert_eq!(s, 200, "{engine}");
+    let (s, ours, _) = post(&format!("{router}/tokenize"), body).await;
+    assert_eq!(s, 200, "{ours}");
+    (engine["tokens"].clone(), ours["tokens"].clone())
+}
+
+#[tokio::test]
+async fn an_engine_on_transformers5_is_matched_in_the_rebuilt_dialect() {
+    let test = "an_engine_on_transformers5_is_matched_in_the_rebuilt_dialect";
+    let Some(files) = llama2_files(test) else {
+        return;
+    };
+    let sim = sim_in(&files, Dialect::Transformers5Rebuilt).await;
+    let st = with_tokenizer(&files);
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
+    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let completion = json!({"model": MODEL, "prompt": " Tell me a story."});
+
+    // Until the check the router reads the files as transformers 4 does: not the engine's ids.
+    for body in [dialect_chat(), completion.clone()] {
+        let (engine, ours) = ids_of(&sim, &router, &body).await;
+        assert_ne!(ours, engine, "{body}");
+    }
+    let (_, debug, _) = get_json(&format!("{router}/debug/pods")).await;
+    assert_eq!(debug["tokenizers"][MODEL]["dialect"], "transformers4");
+    assert_eq!(
+        debug["tokenizers"][MODEL]["dialects"],
+        json!(["transformers4", "transformers5_rebuilt"])
+    );
+
+    assert_eq!(check_pending(&st).await, 1);
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers5Rebuilt))
+    );
+    let tok = st.tokenizers.get(MODEL).expect("in use");
+    assert_eq!(tok.dialect(), Dialect::Transformers5Rebuilt);
+    for body in [dialect_chat(), completion.clone()] {
+        let (engine, ours) = ids_of(&sim, &router, &body).await;
+        assert_eq!(ours, engine, "{body}");
+    }
+    let (s, _, mode) = post(
+        &format!("{router}/v1/chat/completions"),
+        &json!({"model": MODEL, "messages": dialect_chat()["messages"], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(mode.unwrap(), "exact");
+
+    let (_, debug, _) = get_json(&format!("{router}/debug/pods")).await;
+    assert_eq!(debug["tokenizers"][MODEL]["verdict"], "agrees");
+    assert_eq!(
+        debug["tokenizers"][MODEL]["dialect"],
+        "transformers5_rebuilt"
+    );
+    let m = metrics(&router).await;
+    for line in [
+        r#"kvsight_router_tokenizer_checks_total{model="m",outcome="agrees"} 1"#,
+        r#"kvsight_router_tokenizer_dialect_info{model="m",dialect="transformers5_rebuilt"} 1"#,
+    ] {
+        assert!(m.contains(line), "{line} in {m}");
+    }
+    assert!(!m.contains(r#"dialect="transformers4""#), "{m}");
+}
+
+#[tokio::test]
+async fn an_engine_on_transformers4_keeps_the_transformers4_dialect() {
+    let test = "an_engine_on_transformers4_keeps_the_transformers4_dialect";
+    let Some(files) = llama2_files(test) else {
+        return;
+    };
+    let sim = sim_in(&files, Dialect::Transformers4).await;
+    let st = with_tokenizer(&files);
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
+    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    assert_eq!(check_pending(&st).await, 1);
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers4))
+    );
+    for body in [
+        dialect_chat(),
+        json!({"model": MODEL, "prompt": " Tell me a story."}),
+    ] {
+        let (engine, ours) = ids_of(&sim, &router, &body).await;
+        assert_eq!(ours, engine, "{body}");
+    }
+    let m = metrics(&router).await;
+    assert!(
+        m.contains(r#"kvsight_router_tokenizer_dialect_info{model="m",dialect="transformers4"} 1"#),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn an_engine_that_agrees_with_no_dialect_leaves_the_model_approximate() {
+    let test = "an_engine_that_agrees_with_no_dialect_leaves_the_model_approximate";
+    let Some(files) = llama2_files(test) else {
+        return;
+    };
+    // The engine runs transformers 5 on files whose template revision does not write BOS.
+    // (Whitespace after the role tokens would not do: they strip it, in either dialect.)
+    let engine_files = with_template(&files, |t| {
+        let skewed = t.replace("{{ bos_token }}", "");
+        assert_ne!(skewed, t, "the template changed shape");
+        skewed
+    });
+    let sim = sim_in(&engine_files, Dialect::Transformers5Rebuilt).await;
+    let st = with_tokenizer(&files);
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
+    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    assert_eq!(check_pending(&st).await, 1);
+    match st.tokenizers.verdict(MODEL) {
+        Some(Verdict::Differs(why)) => {
+            assert!(why.starts_with("chat: ids part at token"), "{why}");
+            assert!(
+                why.contains("; transformers5_rebuilt: chat: ids part at token"),
+                "each dialect's difference is told: {why}"
+            );
+        }
+        other => panic!("expected a difference, got {other:?}"),
+    }
+    assert!(st.tokenizers.get(MODEL).is_none());
+    let (engine, forwarded) = ids_of(&sim, &router, &dialect_chat()).await;
+    assert_eq!(forwarded, engine, "/tokenize is the engine's");
+    let (s, _, mode) = post(
+        &format!("{router}/v1/chat/completions"),
+        &json!({"model": MODEL, "messages": dialect_chat()["messages"], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(mode.unwrap(), "approximate");
+    let m = metrics(&router).await;
+    assert!(
+        m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="differs"} 1"#),
+        "{m}"
+    );
+    assert!(!m.contains("kvsight_router_tokenizer_dialect_info{"), "{m}");
+}
+
+/// One dialect serves every pod of a model: a fleet half upgraded to transformers 5 (old pods
+/// agree with transformers 4, new ones only with the rebuilt dialect) is routed approximately.
+#[tokio::test]
+async fn a_fleet_half_on_transformers5_makes_the_model_approximate() {
+    let test = "a_fleet_half_on_transformers5_makes_the_model_approximate";
+    let Some(files) = llama2_files(test) else {
+        return;
+    };
+    let old = sim_in(&files, Dialect::Transformers4).await;
+    let st = with_tokenizer(&files);
+    add_pod(&st, "old", &old.base_url(), &[], 0);
+    assert_eq!(check_pending(&st).await, 1);
+    assert_eq!(
+        st.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers4))
+    );
+
+    let new = sim_in(&files, Dialect::Transformers5Rebuilt).await;
+    let mut h = hello("new", &new.base_url(), &[]);
+    h.engine.engine_version = "0.32.0".into();
+    {
+        let mut reg = st.registry();
+        let (key, conn) = reg.register(h, Instant::now());
+        reg.apply_load(
+            &key,
+            conn,
+            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
+            Instant::now(),
+        )
+        .unwrap();
+    }
+    assert_eq!(check_pending(&st).await, 1);
+    match st.tokenizers.verdict(MODEL) {
+        Some(Verdict::Differs(why)) => assert!(
+            why.contains("this engine agrees with transformers5_rebuilt")
+                && why.contains("one dialect cannot serve both"),
+            "{why}"
+        ),
+        other => panic!("expected a difference, got {other:?}"),
+    }
+    assert!(st.tokenizers.get(MODEL).is_none());
+}
+
+/// End to end (vllm-sim on transformers 5, a real sidecar sending the files, a router over QUIC):
+/// the router chooses the rebuilt dialect, so its block hashes are the engine's — the pod's
+/// filter matches a shared system prompt and the cached tokens it predicts are the ones the
+/// engine finds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transformers5_engine_is_routed_exactly_with_cached_tokens_predicted_right() {
+    let test = "a_transformers5_engine_is_routed_exactly_with_cached_tokens_predicted_right";
+    let dir = match kvsight_testbed::llama2_tokenizer::ensure_dir() {
+        Ok(dir) => dir,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    const BLOCK: usize = 16;
+    let engine = EngineConfig::builder()
+        .block_size(BLOCK)
+        .num_gpu_blocks(1024)
+        .max_model_len(4096)
+        .compile_stall(Duration::ZERO)
+        .time_scale(0.01)
+        .build()
+        .unwrap();
+    let mut pod = PodSpec::new("pod-0", MODEL, engine).unwrap();
+    pod.tokenizer_dir = Some(dir);
+    pod.sim.tokenizer_dialect = Dialect::Transformers5Rebuilt;
+    let mut cfg = ClusterConfig::new(vec![pod]);
+    // Predictions from the pod's filter alone: the router's memory of what it sent expires.
+    cfg.router_yaml = "scheduler:\n  pendingTtlSeconds: 0.2\n".into();
+    let cluster = Cluster::start(cfg).await.unwrap();
+    cluster.wait_all_routable(WAIT).await.unwrap();
+    cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
+    let state = &cluster.routers[0].state;
+    assert_eq!(
+        state.tokenizers.verdict(MODEL),
+        Some(Verdict::Agrees(Dialect::Transformers5Rebuilt))
+    );
+
+    let system = kvsight_testbed::demo::preamble();
+    let chat = |n: usize| {
+        json!({"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": format!("Question {n}: name one factor.")}]})
+    };
+    // The engine's own chains for both chats.
+    let chain = |ids: Value| {
+        let ids: Vec<u32> = serde_json::from_value(ids).unwrap();
+        hash_chain(&ChainSeed::BASE, &ids, BLOCK)
+    };
+    let engine_ids = |n: usize| {
+        let url = format!("{}/tokenize", cluster.pods[0].vllm_url());
+        async move {
+            let (s, body, _) = post(&url, &chat(n)).await;
+            assert_eq!(s, 200, "{body}");
+            body["tokens"].clone()
+        }
+    };
+    let (first, second) = (chain(engine_ids(1).await), chain(engine_ids(2).await));
+    let shared = first
+        .iter()
+        .zip(&second)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(shared >= 20, "the system prompt fills {shared} blocks");
+
+    let r = cluster
+        .post(0, "/v1/chat/completions", &chat(1))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.decision.as_ref().unwrap()["prefix_mode"], "exact");
+    let key = cluster.pods[0].key();
+    eventually("the pod's filter to hold the first chat", WAIT, || {
+        let now = Instant::now();
+        let reg = state.registry();
+        let pod = reg.get(&key);
+        let held = pod
+            .and_then(|p| p.filter.as_ref().map(|f| f.longest_prefix(&second)))
+            .unwrap_or(0);
+        let pending = pod.map_or(0, |p| p.pending_blocks(&second, now));
+        async move { held == shared && pending == 0 }
+    })
+    .await
+    .unwrap();
+
+    let before = cluster.pod_counters(0).await.unwrap();
+    let r = cluster
+        .post(0, "/v1/chat/completions", &chat(2))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    let hits = cluster
+        .pod_counters(0)
+        .await
+        .unwrap()
+        .since(&before)
+        .prefix_hits;
+    let predicted = r.decision.as_ref().unwrap()["predicted_cached_tokens"]
+        .as_f64()
+        .unwrap();
+    eprintln!("{test}: {shared} shared blocks, predicted {predicted}, engine found {hits}");
+    assert_eq!(predicted, (shared * BLOCK) as f64);
+    assert_eq!(
+        hits, predicted,
+        "the engine found what the router predicted"
+    );
+    cluster.shutdown().await;
 }

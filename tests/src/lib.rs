@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod demo;
+pub mod llama2_tokenizer;
 pub mod messages;
 pub mod own_tokenizer;
 pub mod sim;

@@ -746,15 +746,26 @@ pub fn target_dir() -> PathBuf {
 /// Safe when several test processes race: each writes a private temporary directory and renames
 /// it into place; the loser of the rename discards its copy and uses the winner's.
 pub fn ensure_dir() -> Result<PathBuf, OwnTokenizerError> {
-    let parent = target_dir().join("kvsight-own-tokenizer");
-    let dir = parent.join(VERSION);
+    static TRAINING: Mutex<()> = Mutex::new(());
+    ensure_cached("kvsight-own-tokenizer", VERSION, &TRAINING, build)
+}
+
+/// [`ensure_dir`] for any tokenizer trained here: `build`'s files cached once in
+/// `<target>/<name>/<version>/`. `training` serializes the callers of one process.
+pub(crate) fn ensure_cached(
+    name: &str,
+    version: &str,
+    training: &Mutex<()>,
+    build: fn() -> Result<OwnTokenizerFiles, OwnTokenizerError>,
+) -> Result<PathBuf, OwnTokenizerError> {
+    let parent = target_dir().join(name);
+    let dir = parent.join(version);
     if is_complete(&dir) {
         return Ok(dir);
     }
     // Tests of one binary run on parallel threads and would all train at once on a cold cache;
     // one trains, the others wait and then find the files. (Processes still race; see below.)
-    static TRAINING: Mutex<()> = Mutex::new(());
-    let _guard = TRAINING
+    let _guard = training
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     if is_complete(&dir) {
@@ -773,7 +784,7 @@ pub fn ensure_dir() -> Result<PathBuf, OwnTokenizerError> {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     let tmp = parent.join(format!(
-        ".tmp-{VERSION}-{}-{nanos}-{}",
+        ".tmp-{version}-{}-{nanos}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
@@ -805,7 +816,13 @@ fn is_complete(dir: &Path) -> bool {
 
 /// The own tokenizer as a [`kvsight_protocol::tokenizer::ModelTokenizer`], from the cache.
 pub fn load() -> Result<kvsight_protocol::tokenizer::ModelTokenizer, OwnTokenizerError> {
-    let dir = ensure_dir()?;
+    load_dir(&ensure_dir()?)
+}
+
+/// A cached tokenizer folder as a [`kvsight_protocol::tokenizer::ModelTokenizer`].
+pub(crate) fn load_dir(
+    dir: &Path,
+) -> Result<kvsight_protocol::tokenizer::ModelTokenizer, OwnTokenizerError> {
     let read = |name: &str| {
         let path = dir.join(name);
         std::fs::read(&path).map_err(|source| OwnTokenizerError::Io { path, source })

@@ -1,13 +1,16 @@
 //! Text prompts through a real tokenizer over HTTP: the project's own tokenizer (always
-//! available) and, when `../shared` is present, Phi-3-mini, whose chat ids must equal the vector
-//! from Python `tokenizers` + jinja2 recorded in its SOURCE.md.
+//! available), the project's Llama-2-shaped tokenizer read as transformers 5 reads it
+//! (`--tokenizer-dialect transformers5-rebuilt`: a vLLM >= 0.32 engine), and, when `../shared` is
+//! present, Phi-3-mini, whose chat ids must equal the vector from Python `tokenizers` + jinja2
+//! recorded in its SOURCE.md.
 
 mod sim_support;
 
 use std::path::PathBuf;
 
-use kvsight_testbed::own_tokenizer;
+use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect};
 use kvsight_testbed::sim::server::{SimConfig, SimPod, TokenizerFiles};
+use kvsight_testbed::{llama2_tokenizer, own_tokenizer};
 use serde_json::json;
 use sim_support::post_json;
 
@@ -67,6 +70,52 @@ async fn own_tokenizer_over_http() -> anyhow::Result<()> {
             .unwrap()
             .is_empty()
     );
+    Ok(())
+}
+
+/// An engine on transformers 5 serving a Llama-2-shaped model: `/tokenize` gives the rebuilt
+/// dialect's ids (transformers 5.19's, pinned in `tokenizer_llama2.rs`), for completions and
+/// chats; a tokenizer the dialect does not apply to is refused at start.
+#[tokio::test]
+async fn llama2_tokenizer_in_the_rebuilt_dialect_over_http() -> anyhow::Result<()> {
+    let files = files(&llama2_tokenizer::ensure_dir()?);
+    let pod = SimPod::start(SimConfig {
+        tokenizer: Some(files.clone()),
+        tokenizer_dialect: Dialect::Transformers5Rebuilt,
+        ..SimConfig::default()
+    })
+    .await?;
+    let tok = post_json(pod.http_addr(), "/tokenize", &json!({"prompt": " leading"}))
+        .await?
+        .json()?;
+    // transformers 4 gives [1, 327, 675, 1043]: "▁" twice.
+    assert_eq!(tok["tokens"], json!([1, 675, 1043]));
+
+    let direct = llama2_tokenizer::load()?.in_dialect(Dialect::Transformers5Rebuilt)?;
+    let messages = [
+        ChatMessage::new("system", "You are terse."),
+        ChatMessage::new("user", "Be brief."),
+    ];
+    let chat = post_json(
+        pod.http_addr(),
+        "/tokenize",
+        &json!({"messages": messages, "add_generation_prompt": true}),
+    )
+    .await?
+    .json()?;
+    let expected = direct.encode_chat(&messages, true, &ChatExtras::default())?;
+    assert_eq!(chat["tokens"], json!(expected));
+    let as_tf4 = llama2_tokenizer::load()?.encode_chat(&messages, true, &ChatExtras::default())?;
+    assert_ne!(expected, as_tf4, "the chat tells the dialects apart");
+
+    let byte_level = SimPod::start(SimConfig {
+        tokenizer: Some(TokenizerFiles::own()?),
+        tokenizer_dialect: Dialect::Transformers5Rebuilt,
+        ..SimConfig::default()
+    })
+    .await;
+    let err = byte_level.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("does not apply"), "{err}");
     Ok(())
 }
 

@@ -1,11 +1,12 @@
 //! What transformers takes from `tokenizer_config.json` besides the template: special tokens
 //! (strings or `AddedToken` objects), tokens it registers when tokenizer.json lacks them, the
-//! `add_bos_token`/`add_eos_token` flags that rebuild the post-processor, and the
+//! `add_bos_token`/`add_eos_token` flags that rebuild transformers 4's post-processor, and the
 //! `chat_template` field in its string or named-list form.
 
 use std::collections::BTreeMap;
 
 use serde_json::Value as Json;
+use tokenizers::processors::template::TemplateProcessing;
 
 use super::TokenizerError;
 
@@ -84,7 +85,8 @@ pub(super) fn register_config_tokens(
 
 /// Tokenizer classes whose transformers 4.x fast tokenizer rebuilds the post-processor from
 /// `add_bos_token` / `add_eos_token` when it loads, with the class's defaults for absent flags.
-/// vLLM pins transformers < 5, so these rules (not v5's) are the ones it tokenizes with.
+/// transformers 5 ignores these flags whenever tokenizer.json exists, so only
+/// [`Dialect::Transformers4`](super::Dialect::Transformers4) applies them.
 const REBUILDING_CLASSES: [(&str, bool, bool); 5] = [
     ("LlamaTokenizer", true, false),
     ("CodeLlamaTokenizer", true, false),
@@ -93,15 +95,16 @@ const REBUILDING_CLASSES: [(&str, bool, bool); 5] = [
     ("GPTNeoXTokenizer", false, false),
 ];
 
-/// For the classes above, the `add_bos_token` / `add_eos_token` flags (or the class defaults) —
-/// not tokenizer.json's post-processor — decide whether a completion gets BOS/EOS; e.g. a
-/// Llama tokenizer whose config omits `add_bos_token` gets a BOS even if tokenizer.json adds
-/// none. Other classes keep tokenizer.json's post-processor whatever the flags say.
-pub(super) fn apply_bos_eos_flags(
-    tokenizer: &mut tokenizers::Tokenizer,
+/// For the classes above, the post-processor transformers 4 builds from the `add_bos_token` /
+/// `add_eos_token` flags (or the class defaults), which then — not tokenizer.json's
+/// post-processor — decides whether a completion gets BOS/EOS; e.g. a Llama tokenizer whose
+/// config omits `add_bos_token` gets a BOS even if tokenizer.json adds none. `None` for other
+/// classes: they keep tokenizer.json's post-processor whatever the flags say.
+pub(super) fn bos_eos_processor(
+    tokenizer: &tokenizers::Tokenizer,
     config: &serde_json::Map<String, Json>,
     special_tokens: &BTreeMap<String, String>,
-) -> Result<(), TokenizerError> {
+) -> Result<Option<TemplateProcessing>, TokenizerError> {
     let class = config
         .get("tokenizer_class")
         .and_then(Json::as_str)
@@ -111,7 +114,7 @@ pub(super) fn apply_bos_eos_flags(
         .iter()
         .find(|(name, _, _)| *name == class)
     else {
-        return Ok(());
+        return Ok(None);
     };
     let flag =
         |key: &str, default: bool| config.get(key).and_then(Json::as_bool).unwrap_or(default);
@@ -148,7 +151,7 @@ pub(super) fn apply_bos_eos_flags(
         piece(&eos, 1),
     ]);
     let invalid = |e: String| TokenizerError::InvalidConfig(format!("bos/eos post-processor: {e}"));
-    let processor = tokenizers::processors::template::TemplateProcessing::builder()
+    let processor = TemplateProcessing::builder()
         .try_single(single)
         .map_err(invalid)?
         .try_pair(pair)
@@ -156,8 +159,7 @@ pub(super) fn apply_bos_eos_flags(
         .special_tokens(bos.into_iter().chain(eos).collect::<Vec<_>>())
         .build()
         .map_err(|e| invalid(e.to_string()))?;
-    tokenizer.with_post_processor(Some(processor));
-    Ok(())
+    Ok(Some(processor))
 }
 
 /// A special token in tokenizer_config.json is a string or an `AddedToken` object.

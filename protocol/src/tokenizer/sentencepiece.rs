@@ -1,10 +1,17 @@
-//! A faster road to the same ids for sentencepiece-style BPE tokenizers (tested on Phi-3;
-//! Llama 2 and Mistral have the same shape): a normalizer that prepends "▁" and replaces " " with "▁", no pre-tokenizer, a BPE
-//! model (usually with byte fallback).
+//! A faster road to the same ids for sentencepiece-style BPE tokenizers (tested on Phi-3 and a
+//! Llama-2-shaped tokenizer; Llama 2 and Mistral have the same shape), in both of the ways
+//! they put spaces into the model's alphabet:
 //!
-//! Why: with no pre-tokenizer `tokenizers` hands the whole text between two added tokens to
-//! the BPE model as one word. That word is longer than the model's cache accepts (256 bytes),
-//! so every prompt is merged from single characters: ~3–4 ms for a 2,500-token chat.
+//! - tokenizer.json's own (transformers 4): a normalizer that prepends "▁" and replaces " "
+//!   with "▁", no pre-tokenizer;
+//! - transformers 5's rebuilt `LlamaTokenizer` (and newer tokenizer.json files): no normalizer,
+//!   a `Metaspace` pre-tokenizer that replaces " " with "▁" and prepends "▁" by its scheme
+//!   (`first`: only to the text at byte 0 of the input, and only if it does not already start
+//!   with "▁"), without splitting.
+//!
+//! Why: either way `tokenizers` hands the whole text between two added tokens to the BPE model
+//! as one word. That word is longer than the model's cache accepts (256 bytes), so every prompt
+//! is merged from single characters: ~3–4 ms for a 2,500-token chat.
 //!
 //! Here that word is cut into pieces before every "▁" that follows another character, and
 //! each piece goes through the model's own `tokenize` (which caches it). That is exact when no
@@ -16,12 +23,14 @@
 //! so the pieces' tokens concatenate to the word's tokens.
 //!
 //! Everything else is the crate's own code: added tokens are split off by its
-//! `AddedVocabulary`, and its post-processor adds the special tokens. The normalizer is
-//! applied by hand, as the crate applies it: to each text between added tokens, with "▁"
-//! prepended only to a non-empty one. Tokenizers of any other shape keep the full pipeline.
+//! `AddedVocabulary`, and its post-processor adds the special tokens. The space handling is
+//! applied by hand, as the crate applies it to each text between added tokens: the normalizer
+//! prepends "▁" to every non-empty one; `Metaspace` decides per text from where it starts in the
+//! input. Tokenizers of any other shape keep the full pipeline.
 
 use serde_json::json;
-use tokenizers::{ModelWrapper, Tokenizer};
+use tokenizers::pre_tokenizers::metaspace::PrependScheme;
+use tokenizers::{ModelWrapper, PreTokenizerWrapper, Tokenizer};
 
 use super::{TokenizerError, WordSink};
 
@@ -30,23 +39,52 @@ const SPACE: char = '▁';
 
 /// Encodes text with a sentencepiece-style BPE tokenizer, one cacheable piece at a time.
 #[derive(Debug)]
-pub(super) struct SentencePieceFastPath;
+pub(super) struct SentencePieceFastPath {
+    prepend: Prepend,
+}
+
+/// When a text between added tokens gets a "▁" in front.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Prepend {
+    /// The `Prepend("▁")` normalizer: every non-empty text, even one starting with a space.
+    EveryText,
+    /// `Metaspace` `always`: every text that does not start with "▁" once spaces are "▁".
+    UnlessSpace,
+    /// `Metaspace` `first`: as [`Prepend::UnlessSpace`], only for the text at byte 0 of the
+    /// input.
+    FirstText,
+    /// `Metaspace` `never`.
+    Never,
+}
 
 impl SentencePieceFastPath {
-    /// The fast path when `tokenizer` is exactly the shape it reproduces, else `None`.
+    /// The fast path when `tokenizer` is exactly a shape it reproduces, else `None`.
     pub(super) fn detect(tokenizer: &Tokenizer) -> Option<Self> {
-        // The normalizer's fields are private; its serialized form is its exact configuration.
-        let normalizer = serde_json::to_value(tokenizer.get_normalizer()?).ok()?;
-        let expected = json!({
-            "type": "Sequence",
-            "normalizers": [
-                {"type": "Prepend", "prepend": "▁"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-            ],
-        });
-        if normalizer != expected || tokenizer.get_pre_tokenizer().is_some() {
-            return None;
-        }
+        let prepend = match (tokenizer.get_normalizer(), tokenizer.get_pre_tokenizer()) {
+            (Some(normalizer), None) => {
+                // The normalizer's fields are private; its serialized form is its exact
+                // configuration.
+                let normalizer = serde_json::to_value(normalizer).ok()?;
+                let expected = json!({
+                    "type": "Sequence",
+                    "normalizers": [
+                        {"type": "Prepend", "prepend": "▁"},
+                        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+                    ],
+                });
+                (normalizer == expected).then_some(Prepend::EveryText)?
+            }
+            (None, Some(PreTokenizerWrapper::Metaspace(metaspace)))
+                if metaspace.get_replacement() == SPACE && !metaspace.get_split() =>
+            {
+                match metaspace.get_prepend_scheme() {
+                    PrependScheme::Always => Prepend::UnlessSpace,
+                    PrependScheme::First => Prepend::FirstText,
+                    PrependScheme::Never => Prepend::Never,
+                }
+            }
+            _ => return None,
+        };
         let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
             return None;
         };
@@ -70,36 +108,57 @@ impl SentencePieceFastPath {
             return None;
         }
         // Added tokens matched on normalized text would need the normalizer run before the
-        // split; none of the models this is for has one.
+        // split, which the hand-made normalization here does after it. Without a normalizer
+        // (the `Metaspace` shapes) the crate matches them on the raw text, as here.
         let normalized_added = tokenizer
             .get_added_vocabulary()
             .get_added_tokens_decoder()
             .values()
             .any(|token| token.normalized);
-        if normalized_added {
+        if normalized_added && prepend == Prepend::EveryText {
             return None;
         }
-        Some(Self)
+        Some(Self { prepend })
     }
 
-    /// Normalizes one text between added tokens as the crate's normalizer does (prepend "▁",
-    /// replace " " with "▁") and passes its pieces to `emit`, cut before every "▁" that follows
-    /// another character — all in one pass (the rest is [`super::encode_by_words`]).
-    pub(super) fn words(&self, split: &str, emit: &mut WordSink<'_>) -> Result<(), TokenizerError> {
-        // `Prepend` leaves an empty text empty (the crate drops empty splits anyway).
-        if split.is_empty() {
+    /// Puts one text between added tokens into the model's alphabet as the crate does (" "
+    /// becomes "▁", a "▁" in front by [`Prepend`]; `at_start`: the text starts at byte 0 of the
+    /// input) and passes its pieces to `emit`, cut before every "▁" that follows another
+    /// character — all in one pass (the rest is [`super::encode_by_words`]).
+    pub(super) fn words(
+        &self,
+        split: &str,
+        at_start: bool,
+        emit: &mut WordSink<'_>,
+    ) -> Result<(), TokenizerError> {
+        // Neither `Prepend` nor `Metaspace` add anything to an empty text (the crate drops
+        // empty splits anyway).
+        let Some(first) = split.chars().next() else {
             return Ok(());
+        };
+        let starts_with_space = first == ' ' || first == SPACE;
+        let prepend = match self.prepend {
+            Prepend::EveryText => true,
+            Prepend::UnlessSpace => !starts_with_space,
+            Prepend::FirstText => at_start && !starts_with_space,
+            Prepend::Never => false,
+        };
+        let mut piece = String::with_capacity(split.len() + SPACE.len_utf8());
+        // The character before the next one, if any: a cut goes before a "▁" that follows
+        // another character, never at the very start.
+        let mut last = None;
+        if prepend {
+            piece.push(SPACE);
+            last = Some(SPACE);
         }
-        let mut piece = String::from(SPACE);
-        let mut last = SPACE;
         for c in split.chars() {
             let c = if c == ' ' { SPACE } else { c };
-            if c == SPACE && last != SPACE {
+            if c == SPACE && last.is_some_and(|l| l != SPACE) {
                 emit(&piece)?;
                 piece.clear();
             }
             piece.push(c);
-            last = c;
+            last = Some(c);
         }
         emit(&piece)
     }
@@ -278,5 +337,52 @@ mod tests {
         value["model"]["ignore_merges"] = json!(true);
         let tok = load(&serde_json::to_vec(&value).expect("json"));
         assert!(tok.fast_path.is_none(), "ignore_merges");
+    }
+
+    #[test]
+    fn the_metaspace_shape_takes_the_fast_path_with_its_prepend_scheme() {
+        let json = tokenizer_json(SAFE_VOCAB, SAFE_MERGES, Json::Null);
+        let with_pre_tokenizer = |pre_tokenizer: Json| {
+            let mut value: Json = serde_json::from_slice(&json).expect("json");
+            value["pre_tokenizer"] = pre_tokenizer;
+            // Without a normalizer an added token matched on normalized text is no obstacle.
+            value["added_tokens"][2]["normalized"] = json!(true);
+            load(&serde_json::to_vec(&value).expect("json"))
+        };
+        for scheme in ["first", "always", "never"] {
+            let tok = with_pre_tokenizer(json!({"type": "Metaspace", "replacement": "▁",
+                                                "prepend_scheme": scheme, "split": false}));
+            assert!(tok.fast_path.is_some(), "{scheme}");
+            for text in [
+                "",
+                " ",
+                "a",
+                " ab  ab",
+                "a</s> \nab<s>ab",
+                "</s>a",
+                "<s> a",
+                "▁a",
+                "é ab",
+            ] {
+                for add_special_tokens in [false, true] {
+                    assert_eq!(
+                        tok.encode(text, add_special_tokens).expect("fast"),
+                        tok.encode_reference(text, add_special_tokens)
+                            .expect("reference"),
+                        "{scheme} {text:?}"
+                    );
+                }
+            }
+        }
+        // Splitting on "▁" and other replacements are other shapes.
+        for other in [
+            json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true}),
+            json!({"type": "Metaspace", "replacement": "_", "prepend_scheme": "first", "split": false}),
+        ] {
+            assert!(
+                with_pre_tokenizer(other.clone()).fast_path.is_none(),
+                "{other}"
+            );
+        }
     }
 }

@@ -696,8 +696,10 @@ impl Cluster {
                 ),
                 within,
                 || {
-                    let agrees = state.tokenizers.verdict(model)
-                        == Some(kvsight_router::tokenize::Verdict::Agrees);
+                    let agrees = matches!(
+                        state.tokenizers.verdict(model),
+                        Some(kvsight_router::tokenize::Verdict::Agrees(_))
+                    );
                     async move { agrees }
                 },
             )

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use kvsight_protocol::tokenizer::Dialect;
 use serde::Deserialize;
 
 use super::{SimConfig, TokenizerFiles};
@@ -71,6 +72,12 @@ pub struct Args {
     /// byte-level codec. Default: the project's own tokenizer (built once under target/).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Simulator: how the engine reads the tokenizer files — `transformers4` (vLLM < 0.32),
+    /// `transformers5` (vLLM >= 0.32, files as they are: model_type phi3, mistral, …) or
+    /// `transformers5-rebuilt` (vLLM >= 0.32 rebuilding a sentencepiece-style Llama tokenizer:
+    /// model_type llama, or no config.json). Refused at start for tokenizers it does not apply to.
+    #[arg(long, default_value = "transformers4")]
+    pub tokenizer_dialect: Dialect,
     /// Simulator: prefill throughput, uncached prompt tokens per second.
     #[arg(long, default_value_t = 10_000.0)]
     pub prefill_tokens_per_s: f64,
@@ -281,6 +288,7 @@ impl Args {
             kv_events,
             enable_prompt_tokens_details: self.enable_prompt_tokens_details,
             tokenizer,
+            tokenizer_dialect: self.tokenizer_dialect,
             stream_interval: self.stream_interval as usize,
         })
     }
@@ -349,5 +357,29 @@ mod tests {
             c.kv_events.unwrap().layout,
             crate::sim::kv_events::Layout::Array
         );
+    }
+
+    #[test]
+    fn tokenizer_dialect_flag() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["vllm-sim", "--tokenizer", "builtin"];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv)
+        };
+        let c = parse(&[]).unwrap().into_config().unwrap();
+        assert_eq!(c.tokenizer_dialect, Dialect::Transformers4);
+        for (name, dialect) in [
+            ("transformers5", Dialect::Transformers5),
+            ("transformers5-rebuilt", Dialect::Transformers5Rebuilt),
+            ("transformers5_rebuilt", Dialect::Transformers5Rebuilt),
+        ] {
+            let c = parse(&["--tokenizer-dialect", name])
+                .unwrap()
+                .into_config()
+                .unwrap();
+            assert_eq!(c.tokenizer_dialect, dialect, "{name}");
+        }
+        let err = parse(&["--tokenizer-dialect", "transformers6"]).unwrap_err();
+        assert!(err.to_string().contains("transformers6"), "{err}");
     }
 }

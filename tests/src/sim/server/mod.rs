@@ -18,6 +18,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvsight_protocol::tokenizer::Dialect;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -54,6 +55,12 @@ pub struct SimConfig {
     /// `--tokenizer DIR`'s content (`tokenizer.json`, `tokenizer_config.json`); `None` = the
     /// built-in byte-level codec. Default `None`.
     pub tokenizer: Option<TokenizerFiles>,
+    /// `--tokenizer-dialect`: how the engine reads the tokenizer files. vLLM < 0.32 runs
+    /// transformers 4 (`Transformers4`); vLLM >= 0.32 runs transformers 5, which reads them as
+    /// they are (`Transformers5`: `model_type` phi3, mistral, …) or rebuilds a sentencepiece-style
+    /// Llama tokenizer (`Transformers5Rebuilt`: `model_type` llama, or no config.json). Default
+    /// `Transformers4`.
+    pub tokenizer_dialect: Dialect,
     /// `--stream-interval`: streamed outputs carry this many tokens (the first one alone).
     /// Default 1.
     pub stream_interval: usize,
@@ -97,6 +104,7 @@ impl Default for SimConfig {
             kv_events: None,
             enable_prompt_tokens_details: false,
             tokenizer: None,
+            tokenizer_dialect: Dialect::default(),
             stream_interval: 1,
         }
     }
@@ -262,7 +270,8 @@ fn run_pod(
 
 /// Binds everything and spawns the driver and the HTTP server into the current runtime.
 async fn serve(config: SimConfig) -> Result<(Running, Serving), StartError> {
-    let codec = text::Codec::new(config.tokenizer.as_ref()).map_err(StartError::Tokenizer)?;
+    let codec = text::Codec::new(config.tokenizer.as_ref(), config.tokenizer_dialect)
+        .map_err(StartError::Tokenizer)?;
     let mut engine_config = config.engine.clone();
     if let Some(vocab) = codec.vocab_size().and_then(|v| u32::try_from(v).ok()) {
         // Generated ids must be ids the tokenizer can decode.

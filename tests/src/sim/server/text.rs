@@ -6,7 +6,7 @@
 //! byte-level (one token per UTF-8 byte, so shared text prefixes share token prefixes, which
 //! prefix caching needs) and generated ids become words from a fixed list.
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
+use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
 use serde_json::Value;
 
 use super::TokenizerFiles;
@@ -29,12 +29,18 @@ pub(crate) struct Codec {
 }
 
 impl Codec {
-    pub(crate) fn new(files: Option<&TokenizerFiles>) -> Result<Self, String> {
+    /// The files' tokenizer read in `dialect` (as an engine on that transformers version reads
+    /// them); without files the built-in codec, whatever the dialect.
+    pub(crate) fn new(files: Option<&TokenizerFiles>, dialect: Dialect) -> Result<Self, String> {
         let tokenizer = match files {
-            Some(f) => Some(
-                ModelTokenizer::from_bytes(&f.tokenizer_json, Some(&f.tokenizer_config))
-                    .map_err(|e| e.to_string())?,
-            ),
+            Some(f) => {
+                let tok = ModelTokenizer::from_bytes(&f.tokenizer_json, Some(&f.tokenizer_config))
+                    .map_err(|e| e.to_string())?;
+                Some(match dialect {
+                    Dialect::Transformers4 => tok,
+                    other => tok.in_dialect(other).map_err(|e| e.to_string())?,
+                })
+            }
             None => None,
         };
         Ok(Self { tokenizer })
