@@ -65,7 +65,7 @@ enum Cmd {
         #[arg(long)]
         bin_dir: PathBuf,
         /// A model to serve, as NAME=TOKENIZER_DIR (repeat); default: the project's own
-        /// byte-level BPE tokenizer.
+        /// byte-level BPE tokenizer and its Llama-2-shaped one.
         #[arg(long = "model")]
         models: Vec<String>,
         /// The version the engines must report.
@@ -75,6 +75,9 @@ enum Cmd {
         #[arg(long)]
         no_restart: bool,
     },
+    /// Prints the folders of the project's own tokenizer and its Llama-2-shaped one (training
+    /// them on first use), one per line.
+    TokenizerDirs,
     /// A blind router: round robin or least request over fixed workers.
     Blind {
         #[arg(long)]
@@ -97,6 +100,17 @@ fn main() -> anyhow::Result<()> {
             mode,
             workers,
         } => rt.block_on(blind::serve(listen, workers, mode)),
+        Cmd::TokenizerDirs => {
+            println!(
+                "{}",
+                kvsight_testbed::own_tokenizer::ensure_dir()?.display()
+            );
+            println!(
+                "{}",
+                kvsight_testbed::llama2_tokenizer::ensure_dir()?.display()
+            );
+            Ok(())
+        }
         Cmd::RealVllm {
             python,
             scripts,
@@ -114,9 +128,15 @@ fn main() -> anyhow::Result<()> {
                 parsed.push((name.to_owned(), PathBuf::from(dir)));
             }
             if parsed.is_empty() {
+                // The project's own byte-level BPE, and a Llama-2-shaped (sentencepiece-style)
+                // tokenizer that transformers 5 rebuilds.
                 parsed.push((
                     "tiny-bpe".to_owned(),
                     kvsight_testbed::own_tokenizer::ensure_dir()?,
+                ));
+                parsed.push((
+                    "tiny-sp".to_owned(),
+                    kvsight_testbed::llama2_tokenizer::ensure_dir()?,
                 ));
             }
             let opts = kvsight_bench::real_vllm::Options {

