@@ -85,6 +85,9 @@ pub struct Weights {
     /// LMetric's product of the prompt tokens the pod must compute and its batch size (running +
     /// waiting): lower scores higher. Off by default.
     pub lmetric: f64,
+    /// The pod this router last sent the prompt's prefix to (within `affinityTtlSeconds`)
+    /// scores higher: where a prefix evicted everywhere returns. Default 1.
+    pub affinity: f64,
     /// The pod picked longest ago scores higher: the tie-breaker.
     pub lru: f64,
 }
@@ -99,6 +102,7 @@ impl Default for Weights {
             lora_affinity: 1.0,
             predicted_latency: 0.0,
             lmetric: 0.0,
+            affinity: 1.0,
             lru: 0.1,
         }
     }
@@ -106,7 +110,7 @@ impl Default for Weights {
 
 impl Weights {
     /// Every weight with its config name.
-    pub fn named(&self) -> [(&'static str, f64); 8] {
+    pub fn named(&self) -> [(&'static str, f64); 9] {
         [
             ("prefix", self.prefix),
             ("queue", self.queue),
@@ -115,6 +119,7 @@ impl Weights {
             ("loraAffinity", self.lora_affinity),
             ("predictedLatency", self.predicted_latency),
             ("lmetric", self.lmetric),
+            ("affinity", self.affinity),
             ("lru", self.lru),
         ]
     }
@@ -148,6 +153,9 @@ pub struct SchedulerConfig {
     /// Seconds a routed prompt's blocks count as *pending* on its pod until the pod's own events
     /// confirm them. Default 2.
     pub pending_ttl_seconds: f64,
+    /// Seconds a pod stays the home of a prefix after this router last sent it there (the
+    /// `affinity` weight). Default 120.
+    pub affinity_ttl_seconds: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -156,11 +164,17 @@ impl Default for SchedulerConfig {
             weights: Weights::default(),
             saturation: Saturation::default(),
             pending_ttl_seconds: 2.0,
+            affinity_ttl_seconds: 120.0,
         }
     }
 }
 
 impl SchedulerConfig {
+    /// [`Self::affinity_ttl_seconds`] as a duration.
+    pub fn affinity_ttl(&self) -> Duration {
+        Duration::from_secs_f64(self.affinity_ttl_seconds)
+    }
+
     /// [`Self::pending_ttl_seconds`] as a duration.
     pub fn pending_ttl(&self) -> Duration {
         Duration::from_secs_f64(self.pending_ttl_seconds)
@@ -316,6 +330,10 @@ impl RouterConfig {
         positive_secs(
             "scheduler.pendingTtlSeconds",
             self.scheduler.pending_ttl_seconds,
+        )?;
+        positive_secs(
+            "scheduler.affinityTtlSeconds",
+            self.scheduler.affinity_ttl_seconds,
         )?;
         positive_secs("timeouts.requestSeconds", self.timeouts.request_seconds)?;
         positive_secs("timeouts.connectSeconds", self.timeouts.connect_seconds)?;

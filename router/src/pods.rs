@@ -80,7 +80,14 @@ pub struct Pod {
     /// Uncached prompt tokens of the requests routed here, smoothed: the size this router
     /// assumes for each request the pod reports waiting.
     mean_uncached_tokens: Option<f64>,
+    /// Prefixes (a chain's first block) this router sent here, and when it last did: the pod
+    /// is their *home*, where they return when no cache holds them (see
+    /// `scheduler::scorers::Affinity`). Bounded by [`MAX_HOMES`].
+    homes: HashMap<u64, Instant>,
 }
+
+/// Most prefixes remembered as at home on one pod; beyond it the stalest go first.
+const MAX_HOMES: usize = 65_536;
 
 /// A routed prompt's chain and when it stops counting.
 type PendingChain = (Arc<[u64]>, Instant);
@@ -214,6 +221,11 @@ impl Pod {
         }
     }
 
+    /// When this router last sent a prompt starting with block `first` here.
+    pub fn last_routed(&self, first: u64) -> Option<Instant> {
+        self.homes.get(&first).copied()
+    }
+
     /// The smoothed uncached prompt tokens of requests this router sent here, if it sent any.
     pub fn mean_uncached_tokens(&self) -> Option<f64> {
         self.mean_uncached_tokens
@@ -335,6 +347,7 @@ impl Registry {
             pending: HashMap::new(),
             pending_chains: 0,
             mean_uncached_tokens: None,
+            homes: HashMap::new(),
         };
         // A replaced pod keeps this router's in-flight count: those requests are still running.
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
@@ -449,6 +462,15 @@ impl Registry {
             pod.sent.pop_front();
         }
         let Some(&first) = chain.first() else { return };
+        if pod.homes.len() >= MAX_HOMES && !pod.homes.contains_key(&first) {
+            // Full: forget the prefixes not routed here for the longest time (a tenth of them,
+            // so the scan is paid rarely).
+            let mut ages: Vec<Instant> = pod.homes.values().copied().collect();
+            let cut = ages.len() / 10;
+            let (_, &mut oldest_kept, _) = ages.select_nth_unstable(cut);
+            pod.homes.retain(|_, at| *at >= oldest_kept);
+        }
+        pod.homes.insert(first, now);
         // Already resident (its last block is in the pod's filter): nothing to remember, the
         // filter speaks for it and will also show its eviction.
         if let (Some(f), Some(&last)) = (&pod.filter, chain.last())

@@ -127,7 +127,11 @@ fn shared_prefix_concentrates_and_prefix_weight_zero_spreads() {
         assert_eq!(c.pick(&s, &p).unwrap(), "ns/pod-2");
         c.settle();
     }
-    let s0 = sched(0.0);
+    // Without any prefix preference (the cache's, and this router's memory of homes).
+    let mut cfg = SchedulerConfig::default();
+    cfg.weights.prefix = 0.0;
+    cfg.weights.affinity = 0.0;
+    let s0 = Scheduler::new(&cfg);
     let mut counts = BTreeMap::new();
     for _ in 0..6 {
         *counts.entry(c.pick(&s0, &p).unwrap()).or_insert(0) += 1;
@@ -459,7 +463,7 @@ fn excluded_pods_are_not_picked_and_decisions_explain_themselves() {
     assert_eq!(d.candidates, 1);
     assert_eq!(
         d.scores.len(),
-        6,
+        7,
         "every scorer with a weight is reported: {:?}",
         d.scores
     );
@@ -651,4 +655,57 @@ fn hashes_of_another_prompt_of_the_same_length_are_not_used() {
         .pick_prepared(&mut c.reg, &req(&b), &mut hashes, c.now)
         .unwrap();
     assert_eq!((d.pod.as_str(), d.matched_blocks), ("ns/pod-1", 20));
+}
+
+/// Past saturation a prefix is often evicted from every pod between two of its requests; a
+/// router that then places it by load alone scatters it, and every pod ends up holding every
+/// tenant. The `affinity` weight sends it back to the pod this router last sent it to — a
+/// preference among loaded pods that lapses after `affinityTtlSeconds`.
+#[test]
+fn a_prefix_no_cache_holds_returns_to_its_home_until_the_home_is_forgotten() {
+    let p = prompt(5, 1200);
+    let s = sched(3.0);
+    // Equally loaded pods, so without a home the pod picked longest ago (`lru`) would win. The
+    // prefix is routed once, then `after` passes (beyond the pending TTL: no cache and no
+    // pending block speaks for it any more).
+    let routed_once_then = |after: Duration| {
+        let mut c = Cluster::new(3, true);
+        let all_loaded = |c: &mut Cluster| {
+            for i in 0..3 {
+                c.report(i, load(8, 2, 0.5));
+            }
+        };
+        all_loaded(&mut c);
+        let home = c.pick(&s, &p).unwrap();
+        c.now += after;
+        all_loaded(&mut c);
+        (c, home)
+    };
+    let (mut c, home) = routed_once_then(Duration::from_secs(3));
+    let d = {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert!(d.all_saturated, "{d:?}");
+    assert_eq!(d.matched_blocks, 0, "nothing cached anywhere: {d:?}");
+    assert_eq!(d.pod, home, "the prefix goes home: {d:?}");
+
+    // Without the weight, the tie-breaker decides.
+    let (mut c, home) = routed_once_then(Duration::from_secs(3));
+    let mut cfg = SchedulerConfig::default();
+    cfg.weights.affinity = 0.0;
+    let d = {
+        let req = req(&p);
+        Scheduler::new(&cfg).pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_ne!(d.pod, home, "{d:?}");
+
+    // Once the home is older than the TTL, it is no home.
+    let ttl = SchedulerConfig::default().affinity_ttl();
+    let (mut c, home) = routed_once_then(ttl + Duration::from_secs(1));
+    let d = {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_ne!(d.pod, home, "{d:?}");
 }

@@ -78,6 +78,8 @@ pub struct Candidate<'a> {
     pub uncached_tokens: u32,
     /// KV blocks the prompt would newly occupy.
     pub new_blocks: u32,
+    /// The prompt's first block at this pod's block size (what identifies a shared prefix).
+    pub first_block: Option<u64>,
     chain_index: usize,
     /// Index of the chain prepared for this pod's filter shape, when it has a filter to probe.
     prepared_index: Option<usize>,
@@ -193,6 +195,7 @@ impl Scheduler {
             Box::new(scorers::LoraAffinity),
             Box::new(scorers::PredictedLatency),
             Box::new(scorers::Lmetric),
+            Box::new(scorers::Affinity),
             Box::new(scorers::Lru),
         ];
         let weights = cfg.weights.named();
@@ -685,6 +688,7 @@ impl<'s> PromptHashes<'s> {
             matched_blocks: 0,
             uncached_tokens: 0,
             new_blocks: 0,
+            first_block: self.chains[chain_index].1.first().copied(),
             chain_index,
             prepared_index,
             exact: !caching,

@@ -3,6 +3,7 @@
 //! normalised across the candidates, so equal pods score equally and the weights compare like
 //! with like; absolute signals (prefix fraction, KV headroom) are used as they are.
 
+mod affinity;
 mod kv_cache;
 mod lmetric;
 mod lora_affinity;
@@ -12,6 +13,7 @@ mod prefix;
 mod queue;
 mod running_requests;
 
+pub use affinity::Affinity;
 pub use kv_cache::KvCache;
 pub use lmetric::Lmetric;
 pub use lora_affinity::LoraAffinity;
