@@ -42,6 +42,21 @@ pub struct CostModel {
     /// TTFT under which a request counts towards goodput, in simulated seconds (the published
     /// 2 s, scaled with the prompt lengths).
     pub ttft_slo_s: f64,
+    /// KV blocks per pod when fixed on the command line (else sized per workload).
+    pub kv_blocks: Option<u32>,
+}
+
+/// Engine parameters given on the command line, to reproduce another deployment's shape.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EngineOverrides {
+    pub prefill_tokens_per_s: Option<f64>,
+    pub decode_base_ms: Option<f64>,
+    pub decode_per_seq_us: Option<f64>,
+    pub decode_per_kv_token_ns: Option<f64>,
+    pub max_num_seqs: Option<u32>,
+    pub max_num_batched_tokens: Option<u32>,
+    pub kv_blocks: Option<u32>,
+    pub length_scale: Option<f64>,
 }
 
 impl CostModel {
@@ -62,7 +77,33 @@ impl CostModel {
             length_scale,
             stream_interval: 8,
             ttft_slo_s: 2.0 * length_scale,
+            kv_blocks: None,
         }
+    }
+
+    /// Applies the engine overrides given on the command line.
+    pub fn with(mut self, o: &EngineOverrides) -> CostModel {
+        let set = |v: &mut f64, o: Option<f64>| {
+            if let Some(o) = o {
+                *v = o;
+            }
+        };
+        set(&mut self.prefill_tokens_per_s, o.prefill_tokens_per_s);
+        set(&mut self.decode_base_ms, o.decode_base_ms);
+        set(&mut self.decode_per_seq_us, o.decode_per_seq_us);
+        set(&mut self.decode_per_kv_token_ns, o.decode_per_kv_token_ns);
+        if let Some(l) = o.length_scale {
+            self.length_scale = l;
+            self.ttft_slo_s = 2.0 * l;
+        }
+        if let Some(n) = o.max_num_seqs {
+            self.max_num_seqs = n;
+        }
+        if let Some(n) = o.max_num_batched_tokens {
+            self.max_num_batched_tokens = n;
+        }
+        self.kv_blocks = o.kv_blocks;
+        self
     }
 
     /// Scales a published length (tokens) to this bench's.

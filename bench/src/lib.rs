@@ -50,6 +50,10 @@ pub struct Options {
     /// Where results, charts and logs go.
     pub out: PathBuf,
     pub bins: Binaries,
+    pub engine: cost::EngineOverrides,
+    pub tenants: workload::TenantShape,
+    /// Requests per run, when not each workload's own.
+    pub count: Option<usize>,
 }
 
 /// Everything a run produced.
@@ -67,7 +71,7 @@ pub async fn run(opts: Options) -> Result<Outcome> {
     let _ = std::fs::remove_dir_all(&logs);
     let tokenizer_dir = kvsight_testbed::own_tokenizer::ensure_dir()?;
     let tok = kvsight_testbed::own_tokenizer::load()?;
-    let cost = CostModel::h100_8b(opts.time_scale);
+    let cost = CostModel::h100_8b(opts.time_scale).with(&opts.engine);
     let http = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(1024)
@@ -97,7 +101,18 @@ pub async fn run(opts: Options) -> Result<Outcome> {
     let mut runs: Vec<RunResult> = Vec::new();
     let mut ttfts: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
     for &wk in &opts.workloads {
-        let w = workload::build(wk, &cost, &tok, opts.pods, opts.quick);
+        let mut w = workload::build(
+            wk,
+            &cost,
+            &tok,
+            opts.pods,
+            opts.quick,
+            opts.tenants,
+            opts.count,
+        );
+        if let Some(b) = cost.kv_blocks {
+            w.num_gpu_blocks = b;
+        }
         let rates = if !opts.rates.is_empty() {
             opts.rates.clone()
         } else if opts.quick {
@@ -150,40 +165,37 @@ pub async fn run(opts: Options) -> Result<Outcome> {
         let workers: Vec<routers::Worker> = pods.iter().map(Pod::worker).collect();
 
         for &rk in &routers {
-            let mut other = None;
-            let url = if rk.is_kvsight() {
-                kv_routers
-                    .iter()
-                    .find(|r| r.kind == rk)
-                    .expect("started above")
-                    .url
-                    .clone()
-            } else {
-                let (p, url) = routers::start_other(
-                    rk,
-                    &opts.bins,
-                    &peers_bin,
-                    &workers,
-                    cost.block_size,
-                    &logs,
-                    &http,
-                )
-                .await?;
-                other = Some(p);
-                url
+            // A fresh router process for every run: no router carries memory of the previous
+            // run's placements into a run whose caches were reset (peers' prefix trees would;
+            // so would kvsight's affinity).
+            let starter = Starter {
+                http: &http,
+                bins: &opts.bins,
+                peers_bin: &peers_bin,
+                workers: &workers,
+                block_size: cost.block_size,
+                logs: &logs,
+                pods: pods.len(),
             };
-            let proc = match &other {
-                Some(p) => p,
-                None => {
-                    &kv_routers
-                        .iter()
-                        .find(|r| r.kind == rk)
-                        .expect("started")
-                        .proc
-                }
-            };
+            let (mut other, mut url) = starter.start(rk, &mut kv_routers).await?;
             let added_ms = Some(added_latency(&http, &pods, &url, 21).await? * 1000.0);
-            for &rate in &rates {
+            for (run_index, &rate) in rates.iter().enumerate() {
+                if run_index > 0 {
+                    if let Some(p) = other.take() {
+                        p.stop(Duration::from_secs(3)).await;
+                    }
+                    (other, url) = starter.start(rk, &mut kv_routers).await?;
+                }
+                let proc = match &other {
+                    Some(p) => p,
+                    None => {
+                        &kv_routers
+                            .iter()
+                            .find(|r| r.kind == rk)
+                            .expect("started")
+                            .proc
+                    }
+                };
                 let plan = w.plan(rate, cost.time_scale);
                 for p in &pods {
                     p.reset_cache(&http).await?;
@@ -413,6 +425,43 @@ fn write_outcomes(
         lines,
     )?;
     Ok(())
+}
+
+/// Starts (or restarts) a router under test.
+struct Starter<'a> {
+    http: &'a reqwest::Client,
+    bins: &'a Binaries,
+    peers_bin: &'a Path,
+    workers: &'a [routers::Worker],
+    block_size: u32,
+    logs: &'a Path,
+    pods: usize,
+}
+
+impl Starter<'_> {
+    /// A fresh process of `rk`: a kvsight variant restarted on its ports (the sidecars
+    /// reconnect), a peer or baseline started anew. Returns the peer's process and the URL.
+    async fn start(
+        &self,
+        rk: RouterKind,
+        kv_routers: &mut [KvsightRouter],
+    ) -> Result<(Option<procs::Proc>, String)> {
+        if let Some(r) = kv_routers.iter_mut().find(|r| r.kind == rk) {
+            r.restart(self.http, self.pods).await?;
+            return Ok((None, r.url.clone()));
+        }
+        let (p, url) = routers::start_other(
+            rk,
+            self.bins,
+            self.peers_bin,
+            self.workers,
+            self.block_size,
+            self.logs,
+            self.http,
+        )
+        .await?;
+        Ok((Some(p), url))
+    }
 }
 
 async fn counters(pods: &[Pod], http: &reqwest::Client) -> Result<Vec<PodCounters>> {

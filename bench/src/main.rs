@@ -48,6 +48,38 @@ enum Cmd {
         /// Folder holding vllm-sim, kvsight-router and kvsight-sidecar (release builds).
         #[arg(long)]
         bin_dir: PathBuf,
+        /// Requests per run (default: each workload's).
+        #[arg(long)]
+        count: Option<usize>,
+        /// Engine shape instead of the H100 calibration (each optional).
+        #[arg(long)]
+        prefill_tokens_per_s: Option<f64>,
+        #[arg(long)]
+        decode_base_ms: Option<f64>,
+        #[arg(long)]
+        decode_per_seq_us: Option<f64>,
+        #[arg(long)]
+        decode_per_kv_token_ns: Option<f64>,
+        #[arg(long)]
+        max_num_seqs: Option<u32>,
+        #[arg(long)]
+        max_num_batched_tokens: Option<u32>,
+        /// KV blocks per pod (default: sized per workload).
+        #[arg(long)]
+        kv_blocks: Option<u32>,
+        /// Prompt and output lengths relative to the published workloads (default 0.25).
+        #[arg(long)]
+        length_scale: Option<f64>,
+        /// multi_tenant's shape (unscaled token lengths): tenants, system prompt, question,
+        /// output.
+        #[arg(long)]
+        tenants: Option<usize>,
+        #[arg(long)]
+        system_tokens: Option<u32>,
+        #[arg(long)]
+        question_tokens: Option<u32>,
+        #[arg(long)]
+        output_tokens: Option<u32>,
     },
     /// kvsight in front of real vLLM engines (what `cargo xtask real-vllm` runs once vLLM is
     /// installed); exits 1 when a check fails.
@@ -89,8 +121,19 @@ enum Cmd {
     },
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    // One line with the cause, never a backtrace (anyhow prints one when RUST_BACKTRACE is set,
+    // pushing the cause out of the tail of a CI log).
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvsight-bench: FAILED: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -174,6 +217,19 @@ fn main() -> anyhow::Result<()> {
             target,
             out,
             bin_dir,
+            count,
+            prefill_tokens_per_s,
+            decode_base_ms,
+            decode_per_seq_us,
+            decode_per_kv_token_ns,
+            max_num_seqs,
+            max_num_batched_tokens,
+            kv_blocks,
+            length_scale,
+            tenants,
+            system_tokens,
+            question_tokens,
+            output_tokens,
         } => {
             let workloads = match (workloads.is_empty(), quick) {
                 (false, _) => workloads,
@@ -206,6 +262,23 @@ fn main() -> anyhow::Result<()> {
                 target,
                 out: out.clone(),
                 bins,
+                engine: kvsight_bench::cost::EngineOverrides {
+                    prefill_tokens_per_s,
+                    decode_base_ms,
+                    decode_per_seq_us,
+                    decode_per_kv_token_ns,
+                    max_num_seqs,
+                    max_num_batched_tokens,
+                    kv_blocks,
+                    length_scale,
+                },
+                tenants: workload::TenantShape {
+                    tenants,
+                    system_tokens,
+                    question_tokens,
+                    output_tokens,
+                },
+                count,
             };
             let expected = opts.routers.len() * opts.workloads.len();
             let outcome = rt.block_on(kvsight_bench::run(opts))?;

@@ -91,6 +91,19 @@ impl Proc {
         signal_group(self.pid, "KILL");
     }
 
+    /// SIGTERM to the group, SIGKILL after `grace`, and waits; the handle stays (for a restart).
+    pub async fn terminate(&mut self, grace: Duration) {
+        signal_group(self.pid, "TERM");
+        if tokio::time::timeout(grace, self.child.wait())
+            .await
+            .is_err()
+        {
+            signal_group(self.pid, "KILL");
+            let _ = self.child.wait().await;
+        }
+        signal_group(self.pid, "KILL");
+    }
+
     /// CPU seconds (user + system) used by the whole process group so far.
     pub fn cpu_seconds(&self) -> f64 {
         group_pids(self.pid)

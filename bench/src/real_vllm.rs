@@ -207,7 +207,9 @@ impl Subscriber {
             .context("starting kv_event_counter.py")?;
         let stdin = child.stdin.take().context("stdin")?;
         let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
-        let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        // It imports vLLM (and torch): tens of seconds on two cores, minutes on a fresh
+        // machine whose page cache has never seen those files.
+        let first = tokio::time::timeout(Duration::from_secs(300), lines.next_line())
             .await
             .context("kv_event_counter.py did not start")??;
         if first.as_deref() != Some("ready") {

@@ -174,6 +174,9 @@ pub struct KvsightRouter {
     pub proc: Proc,
     pub url: String,
     pub quic: String,
+    program: PathBuf,
+    args: Vec<String>,
+    logs: PathBuf,
 }
 
 impl KvsightRouter {
@@ -203,19 +206,34 @@ impl KvsightRouter {
             args.push("--no-sidecar-tokenizers".into());
         }
         args.extend(certs.leaf_flags(kind.name())?);
-        let proc = Proc::spawn(
-            kind.name(),
-            &bins.router,
-            &args,
-            &[("RUST_LOG", "warn".into())],
-            logs,
-        )?;
+        let proc = Self::spawn(kind, &bins.router, &args, logs)?;
         Ok(KvsightRouter {
             kind,
             proc,
             url: format!("http://127.0.0.1:{http}"),
             quic: format!("127.0.0.1:{quic}"),
+            program: bins.router.clone(),
+            args,
+            logs: logs.to_owned(),
         })
+    }
+
+    fn spawn(kind: Kind, program: &Path, args: &[String], logs: &Path) -> Result<Proc> {
+        Proc::spawn(
+            kind.name(),
+            program,
+            args,
+            &[("RUST_LOG", "warn".into())],
+            logs,
+        )
+    }
+
+    /// A fresh process on the same ports (the sidecars reconnect): every run starts with no
+    /// memory of earlier runs, as every peer does.
+    pub async fn restart(&mut self, http: &reqwest::Client, pods: usize) -> Result<()> {
+        self.proc.terminate(Duration::from_secs(3)).await;
+        self.proc = Self::spawn(self.kind, &self.program, &self.args, &self.logs)?;
+        self.wait_pods(http, pods, Duration::from_secs(60)).await
     }
 
     /// Waits until every pod is routable through this router (Ready, with its filter).

@@ -155,13 +155,26 @@ fn chat(messages: &[(&str, &str)], max_tokens: u32) -> Value {
     })
 }
 
-/// Builds the request bodies, in order, and sizes the cache; `pods` is the cluster size.
+/// A multi-tenant load's shape when not the published one (scaled by the cost model).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TenantShape {
+    pub tenants: Option<usize>,
+    /// Unscaled token lengths.
+    pub system_tokens: Option<u32>,
+    pub question_tokens: Option<u32>,
+    pub output_tokens: Option<u32>,
+}
+
+/// Builds the request bodies, in order, and sizes the cache; `pods` is the cluster size;
+/// `count` replaces the workload's requests per run.
 pub fn build(
     kind: Kind,
     cost: &CostModel,
     tok: &ModelTokenizer,
     pods: usize,
     quick: bool,
+    shape: TenantShape,
+    count_override: Option<usize>,
 ) -> Workload {
     let mut rng = SeededRng::new(0x6265_6e63_6800 + kind as u64);
     let chat_tokens = |msgs: &[(&str, &str)]| -> u32 {
@@ -198,20 +211,26 @@ pub fn build(
         Kind::MultiTenant | Kind::MixedFaults => {
             // b2b-saas: 150 groups × 5 users, 6k system prompt, 1.2k question, 1k output. Counts
             // scaled to 4 groups per pod.
-            let groups = 4 * pods;
+            let groups = shape.tenants.unwrap_or(4 * pods);
+            let system = cost.tokens(shape.system_tokens.unwrap_or(6000));
             let systems: Vec<String> = (0..groups)
-                .map(|g| system_prompt(tok, &mut rng, cost.tokens(6000), &format!("tenant {g}")))
+                .map(|g| system_prompt(tok, &mut rng, system, &format!("tenant {g}")))
                 .collect();
-            count = if quick { 300 } else { 360 };
+            count = count_override.unwrap_or(if quick { 300 } else { 360 });
             for _ in 0..count {
                 let g = rng.below(groups);
                 let user = rng.below(5);
                 let lead = format!("User {user} of tenant {g} asks: {}\n", question(&mut rng));
-                let q = text_of(tok, &mut rng, cost.tokens(1200), &lead);
+                let q = text_of(
+                    tok,
+                    &mut rng,
+                    cost.tokens(shape.question_tokens.unwrap_or(1200)),
+                    &lead,
+                );
                 push_completion(
                     &mut bodies,
                     &format!("{}\n{q}", systems[g]),
-                    cost.tokens(1000),
+                    cost.tokens(shape.output_tokens.unwrap_or(1000)),
                 );
             }
             shared_prompts = groups;

