@@ -86,7 +86,9 @@ pub struct Weights {
     /// waiting): lower scores higher. Off by default.
     pub lmetric: f64,
     /// The pod this router last sent the prompt's prefix to (within `affinityTtlSeconds`)
-    /// scores higher: where a prefix evicted everywhere returns. Default 1.
+    /// scores higher: where a prefix evicted everywhere returns. Default 1. A companion of
+    /// `prefix`, so it counts only while `prefix` is above 0 (`prefix: 0` spreads a shared
+    /// prefix, as operators expect).
     pub affinity: f64,
     /// The pod picked longest ago scores higher: the tie-breaker.
     pub lru: f64,
@@ -109,6 +111,20 @@ impl Default for Weights {
 }
 
 impl Weights {
+    /// The weights the scheduler applies, by config name: as configured, except `affinity`,
+    /// which counts only alongside `prefix`.
+    pub fn effective(&self) -> [(&'static str, f64); 9] {
+        let mut w = self.named();
+        if self.prefix == 0.0 {
+            for (name, v) in &mut w {
+                if *name == "affinity" {
+                    *v = 0.0;
+                }
+            }
+        }
+        w
+    }
+
     /// Every weight with its config name.
     pub fn named(&self) -> [(&'static str, f64); 9] {
         [
@@ -478,6 +494,10 @@ requestSeconds = 30
             (
                 "scheduler: {saturation: {kvThreshold: 1.5}}",
                 "scheduler.saturation.kvThreshold",
+            ),
+            (
+                "scheduler: {affinityTtlSeconds: 0}",
+                "scheduler.affinityTtlSeconds",
             ),
             ("timeouts: {requestSeconds: 0}", "timeouts.requestSeconds"),
         ];

@@ -127,11 +127,9 @@ fn shared_prefix_concentrates_and_prefix_weight_zero_spreads() {
         assert_eq!(c.pick(&s, &p).unwrap(), "ns/pod-2");
         c.settle();
     }
-    // Without any prefix preference (the cache's, and this router's memory of homes).
-    let mut cfg = SchedulerConfig::default();
-    cfg.weights.prefix = 0.0;
-    cfg.weights.affinity = 0.0;
-    let s0 = Scheduler::new(&cfg);
+    // `prefix: 0` turns off every prefix preference (the cache's and `affinity`, this router's
+    // memory of where a prefix went).
+    let s0 = sched(0.0);
     let mut counts = BTreeMap::new();
     for _ in 0..6 {
         *counts.entry(c.pick(&s0, &p).unwrap()).or_insert(0) += 1;

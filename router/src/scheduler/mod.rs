@@ -198,7 +198,7 @@ impl Scheduler {
             Box::new(scorers::Affinity),
             Box::new(scorers::Lru),
         ];
-        let weights = cfg.weights.named();
+        let weights = cfg.weights.effective();
         let scorers = all
             .into_iter()
             .filter_map(|s| {
