@@ -46,16 +46,27 @@ pub struct CostModel {
     pub kv_blocks: Option<u32>,
 }
 
-/// Engine parameters given on the command line, to reproduce another deployment's shape.
-#[derive(Debug, Clone, Copy, Default)]
+/// Engine parameters given on the command line, to reproduce another deployment's shape
+/// instead of the H100 calibration (each optional).
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct EngineOverrides {
+    #[arg(long)]
     pub prefill_tokens_per_s: Option<f64>,
+    #[arg(long)]
     pub decode_base_ms: Option<f64>,
+    #[arg(long)]
     pub decode_per_seq_us: Option<f64>,
+    #[arg(long)]
     pub decode_per_kv_token_ns: Option<f64>,
+    #[arg(long)]
     pub max_num_seqs: Option<u32>,
+    #[arg(long)]
     pub max_num_batched_tokens: Option<u32>,
+    /// KV blocks per pod (default: sized per workload).
+    #[arg(long)]
     pub kv_blocks: Option<u32>,
+    /// Prompt and output lengths relative to the published workloads (default 0.25).
+    #[arg(long)]
     pub length_scale: Option<f64>,
 }
 

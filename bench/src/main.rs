@@ -51,35 +51,11 @@ enum Cmd {
         /// Requests per run (default: each workload's).
         #[arg(long)]
         count: Option<usize>,
-        /// Engine shape instead of the H100 calibration (each optional).
-        #[arg(long)]
-        prefill_tokens_per_s: Option<f64>,
-        #[arg(long)]
-        decode_base_ms: Option<f64>,
-        #[arg(long)]
-        decode_per_seq_us: Option<f64>,
-        #[arg(long)]
-        decode_per_kv_token_ns: Option<f64>,
-        #[arg(long)]
-        max_num_seqs: Option<u32>,
-        #[arg(long)]
-        max_num_batched_tokens: Option<u32>,
-        /// KV blocks per pod (default: sized per workload).
-        #[arg(long)]
-        kv_blocks: Option<u32>,
-        /// Prompt and output lengths relative to the published workloads (default 0.25).
-        #[arg(long)]
-        length_scale: Option<f64>,
-        /// multi_tenant's shape (unscaled token lengths): tenants, system prompt, question,
-        /// output.
-        #[arg(long)]
-        tenants: Option<usize>,
-        #[arg(long)]
-        system_tokens: Option<u32>,
-        #[arg(long)]
-        question_tokens: Option<u32>,
-        #[arg(long)]
-        output_tokens: Option<u32>,
+        #[command(flatten)]
+        engine: kvsight_bench::cost::EngineOverrides,
+        /// multi_tenant's shape.
+        #[command(flatten)]
+        tenants: workload::TenantShape,
     },
     /// kvsight in front of real vLLM engines (what `cargo xtask real-vllm` runs once vLLM is
     /// installed); exits 1 when a check fails.
@@ -218,18 +194,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             out,
             bin_dir,
             count,
-            prefill_tokens_per_s,
-            decode_base_ms,
-            decode_per_seq_us,
-            decode_per_kv_token_ns,
-            max_num_seqs,
-            max_num_batched_tokens,
-            kv_blocks,
-            length_scale,
+            engine,
             tenants,
-            system_tokens,
-            question_tokens,
-            output_tokens,
         } => {
             let workloads = match (workloads.is_empty(), quick) {
                 (false, _) => workloads,
@@ -262,22 +228,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 target,
                 out: out.clone(),
                 bins,
-                engine: kvsight_bench::cost::EngineOverrides {
-                    prefill_tokens_per_s,
-                    decode_base_ms,
-                    decode_per_seq_us,
-                    decode_per_kv_token_ns,
-                    max_num_seqs,
-                    max_num_batched_tokens,
-                    kv_blocks,
-                    length_scale,
-                },
-                tenants: workload::TenantShape {
-                    tenants,
-                    system_tokens,
-                    question_tokens,
-                    output_tokens,
-                },
+                engine,
+                tenants,
                 count,
             };
             let expected = opts.routers.len() * opts.workloads.len();

@@ -79,16 +79,7 @@ impl Proc {
 
     /// SIGTERM to the group, then SIGKILL after `grace`.
     pub async fn stop(mut self, grace: Duration) {
-        signal_group(self.pid, "TERM");
-        if tokio::time::timeout(grace, self.child.wait())
-            .await
-            .is_err()
-        {
-            signal_group(self.pid, "KILL");
-            let _ = self.child.wait().await;
-        }
-        // Helpers of the group that outlived the leader.
-        signal_group(self.pid, "KILL");
+        self.terminate(grace).await;
     }
 
     /// SIGTERM to the group, SIGKILL after `grace`, and waits; the handle stays (for a restart).
@@ -101,6 +92,7 @@ impl Proc {
             signal_group(self.pid, "KILL");
             let _ = self.child.wait().await;
         }
+        // Helpers of the group that outlived the leader.
         signal_group(self.pid, "KILL");
     }
 

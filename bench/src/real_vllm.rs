@@ -847,14 +847,19 @@ async fn wait_verdict(http: &reqwest::Client, router: &str, model: &str) -> Resu
     }
 }
 
-/// The sum of a vLLM metric's samples.
-async fn engine_metric(http: &reqwest::Client, engine: &str, name: &str) -> Result<f64> {
-    let text = http
+/// The engine's `/metrics` exposition.
+async fn engine_exposition(http: &reqwest::Client, engine: &str) -> Result<String> {
+    Ok(http
         .get(format!("{engine}/metrics"))
         .send()
         .await?
         .text()
-        .await?;
+        .await?)
+}
+
+/// The sum of a vLLM metric's samples.
+async fn engine_metric(http: &reqwest::Client, engine: &str, name: &str) -> Result<f64> {
+    let text = engine_exposition(http, engine).await?;
     Ok(kvsight_sidecar::scrape::samples(&text)?
         .iter()
         .filter(|s| s.name == name)
@@ -869,12 +874,7 @@ async fn engine_label(
     name: &str,
     label: &str,
 ) -> Result<Option<String>> {
-    let text = http
-        .get(format!("{engine}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
+    let text = engine_exposition(http, engine).await?;
     Ok(kvsight_sidecar::scrape::samples(&text)?
         .iter()
         .find(|s| s.name == name)

@@ -155,13 +155,17 @@ fn chat(messages: &[(&str, &str)], max_tokens: u32) -> Value {
     })
 }
 
-/// A multi-tenant load's shape when not the published one (scaled by the cost model).
-#[derive(Debug, Clone, Copy, Default)]
+/// A multi-tenant load's shape when not the published one (unscaled token lengths, scaled by
+/// the cost model).
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct TenantShape {
+    #[arg(long)]
     pub tenants: Option<usize>,
-    /// Unscaled token lengths.
+    #[arg(long)]
     pub system_tokens: Option<u32>,
+    #[arg(long)]
     pub question_tokens: Option<u32>,
+    #[arg(long)]
     pub output_tokens: Option<u32>,
 }
 

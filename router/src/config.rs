@@ -86,7 +86,8 @@ pub struct Weights {
     /// waiting): lower scores higher. Off by default.
     pub lmetric: f64,
     /// The pod this router last sent the prompt's prefix to (within `affinityTtlSeconds`)
-    /// scores higher: where a prefix evicted everywhere returns. Default 1. A companion of
+    /// scores higher: where a prefix evicted everywhere returns. Default 0 (off; see
+    /// router/README.md for what it was measured to do). A companion of
     /// `prefix`, so it counts only while `prefix` is above 0 (`prefix: 0` spreads a shared
     /// prefix, as operators expect).
     pub affinity: f64,
@@ -104,7 +105,7 @@ impl Default for Weights {
             lora_affinity: 1.0,
             predicted_latency: 0.0,
             lmetric: 0.0,
-            affinity: 1.0,
+            affinity: 0.0,
             lru: 0.1,
         }
     }

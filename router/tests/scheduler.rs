@@ -461,7 +461,7 @@ fn excluded_pods_are_not_picked_and_decisions_explain_themselves() {
     assert_eq!(d.candidates, 1);
     assert_eq!(
         d.scores.len(),
-        7,
+        6,
         "every scorer with a weight is reported: {:?}",
         d.scores
     );
@@ -662,7 +662,9 @@ fn hashes_of_another_prompt_of_the_same_length_are_not_used() {
 #[test]
 fn a_prefix_no_cache_holds_returns_to_its_home_until_the_home_is_forgotten() {
     let p = prompt(5, 1200);
-    let s = sched(3.0);
+    let mut with_affinity = SchedulerConfig::default();
+    with_affinity.weights.affinity = 1.0;
+    let s = Scheduler::new(&with_affinity);
     // Equally loaded pods, so without a home the pod picked longest ago (`lru`) would win. The
     // prefix is routed once, then `after` passes (beyond the pending TTL: no cache and no
     // pending block speaks for it any more).
@@ -688,10 +690,9 @@ fn a_prefix_no_cache_holds_returns_to_its_home_until_the_home_is_forgotten() {
     assert_eq!(d.matched_blocks, 0, "nothing cached anywhere: {d:?}");
     assert_eq!(d.pod, home, "the prefix goes home: {d:?}");
 
-    // Without the weight, the tie-breaker decides.
+    // Without the weight (the default), the tie-breaker decides.
     let (mut c, home) = routed_once_then(Duration::from_secs(3));
-    let mut cfg = SchedulerConfig::default();
-    cfg.weights.affinity = 0.0;
+    let cfg = SchedulerConfig::default();
     let d = {
         let req = req(&p);
         Scheduler::new(&cfg).pick(&mut c.reg, &req, c.now).unwrap()
