@@ -54,6 +54,19 @@ pub struct Options {
     pub tenants: workload::TenantShape,
     /// Requests per run, when not each workload's own.
     pub count: Option<usize>,
+    /// Workloads the variant routers (not [`RouterKind::is_headline`]) run on; `None`: all.
+    pub variants_on: Option<Vec<WorkloadKind>>,
+}
+
+impl Options {
+    /// Whether `router` runs on `workload`.
+    pub fn pairs(&self, router: RouterKind, workload: WorkloadKind) -> bool {
+        router.is_headline()
+            || self
+                .variants_on
+                .as_ref()
+                .is_none_or(|w| w.contains(&workload))
+    }
 }
 
 /// Everything a run produced.
@@ -129,7 +142,12 @@ pub async fn run(opts: Options) -> Result<Outcome> {
             w.num_gpu_blocks,
             rates
         );
-        let mut kv_routers: Vec<KvsightRouter> = routers
+        let here: Vec<RouterKind> = routers
+            .iter()
+            .copied()
+            .filter(|&r| opts.pairs(r, wk))
+            .collect();
+        let mut kv_routers: Vec<KvsightRouter> = here
             .iter()
             .filter(|r| r.is_kvsight())
             .map(|&r| KvsightRouter::start(r, &opts.bins, &certs, &logs))
@@ -164,7 +182,7 @@ pub async fn run(opts: Options) -> Result<Outcome> {
         }
         let workers: Vec<routers::Worker> = pods.iter().map(Pod::worker).collect();
 
-        for &rk in &routers {
+        for &rk in &here {
             // A fresh router process for every run: no router carries memory of the previous
             // run's placements into a run whose caches were reset (peers' prefix trees would;
             // so would kvsight's affinity).
@@ -177,6 +195,9 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                 logs: &logs,
                 pods: pods.len(),
             };
+            // Where a run's wall time goes (router start, probes, reset and drain vs the load),
+            // printed with its figures: the full run's length is mostly these.
+            let mut run_start = Instant::now();
             let (mut other, mut url) = starter.start(rk, &mut kv_routers).await?;
             let added_ms = Some(added_latency(&http, &pods, &url, 21).await? * 1000.0);
             for (run_index, &rate) in rates.iter().enumerate() {
@@ -210,6 +231,7 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                 let cpu0 = proc.cpu_seconds();
                 proc.reset_peak_rss();
                 let t0 = Instant::now();
+                let setup_s = (t0 - run_start).as_secs_f64();
                 let span = plan.requests.last().map_or(Duration::ZERO, |r| r.at);
                 // mixed_faults: load that bypasses the router at 20 % of the arrivals, a cold pod
                 // joining at 30 %.
@@ -277,7 +299,7 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                     staleness_ms,
                 });
                 println!(
-                    "bench: {:<14} {:>5} req/s {:<24} hit {:>5} ttft p50 {:>7} p90 {:>7} p99 {:>7} errors {}{}",
+                    "bench: {:<14} {:>5} req/s {:<24} hit {:>5} ttft p50 {:>7} p90 {:>7} p99 {:>7} errors {}{} [wall {:.1} s: setup {:.1}, load {:.1}]",
                     wk.name(),
                     rate,
                     rk.name(),
@@ -289,7 +311,11 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                     r.first_error
                         .as_deref()
                         .map_or(String::new(), |e| format!(" (first: {e})")),
+                    run_start.elapsed().as_secs_f64(),
+                    setup_s,
+                    wall_s,
                 );
+                run_start = Instant::now();
                 if rate == *rates.last().expect("rates") {
                     ttfts.insert(
                         (wk.name().to_owned(), rk.name().to_owned()),

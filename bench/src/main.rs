@@ -27,7 +27,8 @@ enum Cmd {
         /// Workloads to run (default: all; --quick: multi_tenant).
         #[arg(long, value_delimiter = ',')]
         workloads: Vec<workload::Kind>,
-        /// Routers to compare (default: all; --quick: kvsight, smg-cache-aware, round-robin).
+        /// Routers to compare (default: all, the variants on multi_tenant only; --quick: kvsight,
+        /// smg-cache-aware, round-robin).
         #[arg(long, value_delimiter = ',')]
         routers: Vec<routers::Kind>,
         /// Arrival rates, requests per simulated second (default: each workload's).
@@ -51,6 +52,10 @@ enum Cmd {
         /// Requests per run (default: each workload's).
         #[arg(long)]
         count: Option<usize>,
+        /// Run the variant routers (kvsight's ablations, the peers' secondary policies,
+        /// least-request) on every workload, not only multi_tenant.
+        #[arg(long)]
+        all_pairs: bool,
         #[command(flatten)]
         engine: kvsight_bench::cost::EngineOverrides,
         /// multi_tenant's shape.
@@ -194,6 +199,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             out,
             bin_dir,
             count,
+            all_pairs,
             engine,
             tenants,
         } => {
@@ -202,6 +208,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 (true, true) => vec![workload::Kind::MultiTenant],
                 (true, false) => workload::Kind::ALL.to_vec(),
             };
+            // Named routers run on every named workload; by default the variants run on
+            // multi_tenant only, which keeps the full run within 30 minutes on 2 cores.
+            let variants_on = (routers.is_empty() && !quick && !all_pairs)
+                .then(|| vec![workload::Kind::MultiTenant]);
             let routers = match (routers.is_empty(), quick) {
                 (false, _) => routers,
                 (true, true) => vec![
@@ -231,8 +241,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 engine,
                 tenants,
                 count,
+                variants_on,
             };
-            let expected = opts.routers.len() * opts.workloads.len();
+            let expected = opts
+                .workloads
+                .iter()
+                .map(|&w| opts.routers.iter().filter(|&&r| opts.pairs(r, w)).count())
+                .sum::<usize>();
             let outcome = rt.block_on(kvsight_bench::run(opts))?;
             println!("\n{}", outcome.markdown);
             println!(

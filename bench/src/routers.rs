@@ -69,6 +69,21 @@ impl Kind {
         }
     }
 
+    /// The router a user would deploy (kvsight's default, each peer's cache-aware policy) or a
+    /// blind baseline everyone knows (round robin). The others are variants — kvsight's
+    /// ablations and the peers' secondary policies — that answer "which part matters" and
+    /// need only the workload that separates them (a full run gives them `multi_tenant`).
+    pub fn is_headline(self) -> bool {
+        matches!(
+            self,
+            Kind::Kvsight
+                | Kind::SmgCacheAware
+                | Kind::SglangCacheAware
+                | Kind::VllmRouterCacheAware
+                | Kind::RoundRobin
+        )
+    }
+
     /// kvsight routers run for a whole workload (sidecars report to them from the start).
     pub fn is_kvsight(self) -> bool {
         matches!(

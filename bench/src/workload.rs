@@ -203,7 +203,7 @@ pub fn build(
         Kind::SharedPrefix => {
             // The demo's: 40 guidelines (≈ 756 tokens), then "Question n: name one factor."
             let preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(40, 7);
-            count = if quick { 200 } else { 300 };
+            count = count_override.unwrap_or(if quick { 200 } else { 300 });
             for n in 0..count {
                 let p = format!("{preamble}Question {n}: name one factor.");
                 push_completion(&mut bodies, &p, cost.tokens(128));
@@ -248,7 +248,7 @@ pub fn build(
             // ShareGPT-like sessions of 2–20 turns: a short shared system prompt, user turns of
             // ≈ 200 tokens, answers of ≈ 400, 16 sessions interleaved at a time.
             let system = system_prompt(tok, &mut rng, cost.tokens(400), "a support desk");
-            count = if quick { 200 } else { 300 };
+            count = count_override.unwrap_or(if quick { 200 } else { 300 });
             let mut sessions: Vec<(Vec<(String, String)>, usize)> = Vec::new();
             let mut total_sessions = 0;
             let mut shared = 0u64;
@@ -306,7 +306,7 @@ pub fn build(
                     )
                 })
                 .collect();
-            count = if quick { 200 } else { 300 };
+            count = count_override.unwrap_or(if quick { 200 } else { 300 });
             // 3 sessions per agent at a time, each growing turn by turn, up to 12 turns.
             let mut histories: Vec<Vec<(String, String)>> = vec![Vec::new(); agents * 3];
             for _ in 0..count {
@@ -340,7 +340,7 @@ pub fn build(
             rates = vec![32.0, 64.0, 96.0];
         }
         Kind::Unique => {
-            count = if quick { 200 } else { 300 };
+            count = count_override.unwrap_or(if quick { 200 } else { 300 });
             for n in 0..count {
                 let p = text_of(
                     tok,
