@@ -329,12 +329,19 @@ async fn sight_records_predicted_minus_engine_cached_tokens() {
     // The router records when it has copied the answer's last byte, a moment after the client
     // may have read it.
     let last = std::sync::Mutex::new(String::new());
-    eventually("Sight to count three answers", WAIT, || async {
-        let text = get(&cluster, router.clone()).await;
-        let done = sample(&text, "kvsight_router_sight_error_tokens_count") == Some(3.0);
-        *last.lock().unwrap() = text;
-        done
-    })
+    // View staleness, the dashboard's other view-quality signal, is recorded as the KV events of
+    // these requests reach the router in the sidecar's deltas.
+    eventually(
+        "Sight to count three answers, and a delta's staleness",
+        WAIT,
+        || async {
+            let text = get(&cluster, router.clone()).await;
+            let done = sample(&text, "kvsight_router_sight_error_tokens_count") == Some(3.0)
+                && sample(&text, "kvsight_router_view_staleness_seconds_count") > Some(0.0);
+            *last.lock().unwrap() = text;
+            done
+        },
+    )
     .await
     .unwrap();
     let text = last.into_inner().unwrap();
