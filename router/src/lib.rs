@@ -14,6 +14,7 @@ pub mod proxy;
 pub mod quic;
 pub mod reload;
 pub mod scheduler;
+pub mod sight;
 pub mod state;
 pub mod tokenize;
 pub mod tokenizer_check;

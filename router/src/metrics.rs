@@ -19,6 +19,12 @@ use crate::tokenize::{TokenizerStatus, Verdict};
 
 type Labels = Vec<(&'static str, String)>;
 
+/// Bucket bounds of the Sight histogram (tokens): symmetric, so the count at 0 minus the count at
+/// -1 is the answers predicted exactly.
+const SIGHT_BUCKETS: [f64; 13] = [
+    -4096.0, -1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 15.0, 63.0, 255.0, 1023.0, 4095.0, 16383.0,
+];
+
 /// Every metric the router exports.
 pub struct Metrics {
     prom: PromRegistry,
@@ -28,6 +34,19 @@ pub struct Metrics {
     pub tokenize_seconds: Histogram,
     /// A KV event published by an engine → visible in this router's filter of that pod.
     pub view_staleness_seconds: Histogram,
+    /// Sight: predicted minus engine-reported cached prompt tokens, per answer that carried
+    /// them ([`crate::sight`]).
+    sight_error_tokens: Histogram,
+    /// The two sides of Sight per pod, summed.
+    sight_predicted_tokens: Family<Labels, Counter>,
+    sight_engine_tokens: Family<Labels, Counter>,
+    /// The request's arrival (its body read) until it is sent to the pod that answers:
+    /// tokenizing, picking, and any retried pick.
+    pub added_latency_seconds: Histogram,
+    /// Pods left out of picks by the saturation rule.
+    pub saturation_skips: Counter,
+    /// Sidecar connections refused, by reason (handshake, version, protocol).
+    sidecars_refused: Family<Labels, Counter>,
     pub retries: Family<Labels, Counter>,
     pub stream_cuts: Family<Labels, Counter>,
     pub config_reloads: Family<Labels, Counter>,
@@ -69,6 +88,13 @@ impl Metrics {
             prefix_match_ratio: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]),
             tokenize_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 18)),
             view_staleness_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 16)),
+            sight_error_tokens: Histogram::new(SIGHT_BUCKETS),
+            sight_predicted_tokens: Family::default(),
+            sight_engine_tokens: Family::default(),
+            // 10 µs .. ~1.3 s
+            added_latency_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 18)),
+            saturation_skips: Counter::default(),
+            sidecars_refused: Family::default(),
             retries: Family::default(),
             stream_cuts: Family::default(),
             config_reloads: Family::default(),
@@ -108,6 +134,41 @@ impl Metrics {
             "kvsight_router_view_staleness_seconds",
             "A KV event published by an engine until this router's filter of that pod shows it (the sidecar's age of the delta plus half the QUIC round trip)",
             m.view_staleness_seconds.clone(),
+        );
+        prom.register(
+            "kvsight_router_sight_error_tokens",
+            "Predicted minus engine-reported cached prompt tokens (usage.prompt_tokens_details.\
+             cached_tokens), per answer that carried them: 0 is an exact view, below 0 the \
+             engine had more cached than this router knew, above 0 less",
+            m.sight_error_tokens.clone(),
+        );
+        prom.register(
+            "kvsight_router_sight_predicted_cached_tokens",
+            "Cached prompt tokens this router predicted, per pod, over the answers Sight measured",
+            m.sight_predicted_tokens.clone(),
+        );
+        prom.register(
+            "kvsight_router_sight_engine_cached_tokens",
+            "Cached prompt tokens the engine reported, per pod, over the answers Sight measured",
+            m.sight_engine_tokens.clone(),
+        );
+        prom.register(
+            "kvsight_router_added_latency_seconds",
+            "Time the router adds before a request reaches its pod: from the body read to the \
+             send to the pod that answers (tokenizing, picking, retried picks)",
+            m.added_latency_seconds.clone(),
+        );
+        prom.register(
+            "kvsight_router_saturation_skips",
+            "Pods left out of picks by the saturation rule (busy or tight pods that would start \
+             the request later than the best free pod; full pods while one is not full)",
+            m.saturation_skips.clone(),
+        );
+        prom.register(
+            "kvsight_router_sidecars_refused",
+            "Sidecar connections refused, by reason (handshake: TLS or certificate name, \
+             version: protocol version mismatch, protocol: no Hello)",
+            m.sidecars_refused.clone(),
         );
         prom.register(
             "kvsight_router_retries",
@@ -188,6 +249,23 @@ impl Metrics {
 
     pub fn retry(&self, reason: &'static str) {
         self.retries
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    /// Sight for one answer: `predicted` cached prompt tokens at the pick, `engine` reported.
+    pub fn sight(&self, pod: &str, predicted: u32, engine: u64) {
+        let l = vec![("pod", pod.to_owned())];
+        self.sight_predicted_tokens
+            .get_or_create(&l)
+            .inc_by(u64::from(predicted));
+        self.sight_engine_tokens.get_or_create(&l).inc_by(engine);
+        self.sight_error_tokens
+            .observe(f64::from(predicted) - engine as f64);
+    }
+
+    pub fn sidecar_refused(&self, reason: &'static str) {
+        self.sidecars_refused
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
     }

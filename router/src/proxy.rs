@@ -24,6 +24,7 @@ use tracing::{Instrument, field, info_span, warn};
 use crate::config::PoolConfig;
 use crate::error::{ApiError, error_body};
 use crate::scheduler::{Decision, PickError, PickRequest, PromptHashes, Scheduler};
+use crate::sight::UsageTap;
 use crate::state::{Live, State};
 use crate::tokenize::{self, Prompt};
 
@@ -220,6 +221,7 @@ async fn forward(
             state: state.clone(),
             pod: decision.pod.clone(),
         };
+        let added = t0.elapsed();
         let url = format!("{}{}", decision.url.trim_end_matches('/'), kind.path());
         let send = state
             .client
@@ -293,6 +295,10 @@ async fn forward(
             return Ok(resp);
         }
         let mode = if prompt.exact { "exact" } else { "approximate" };
+        state
+            .metrics
+            .added_latency_seconds
+            .observe(added.as_secs_f64());
         return Ok(stream_back(
             state,
             upstream,
@@ -300,6 +306,7 @@ async fn forward(
             deadline,
             &pname,
             debug.then(|| decision_header(&decision, mode)),
+            decision.predicted_cached_tokens,
         ));
     }
 }
@@ -371,6 +378,12 @@ fn run_pick(state: &State, live: &Live, req: &PickRequest<'_>) -> Result<Decisio
         .metrics
         .pick_seconds
         .observe(t.elapsed().as_secs_f64());
+    if let Ok(d) = &result {
+        state
+            .metrics
+            .saturation_skips
+            .inc_by(d.saturation_skipped as u64);
+    }
     if let Ok(d) = &result
         && d.chain_len > 0
     {
@@ -447,6 +460,7 @@ fn stream_back(
     deadline: TokioInstant,
     pool: &str,
     decision: Option<String>,
+    predicted_cached_tokens: u32,
 ) -> Response {
     let status = upstream.status();
     let mut headers = end_to_end(upstream.headers());
@@ -463,7 +477,8 @@ fn stream_back(
     }
     state.metrics.request(pool, &done.pod, status.as_u16());
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-    let pump = pump(state.clone(), upstream, tx, deadline, sse, done);
+    let sight = (predicted_cached_tokens, UsageTap::new(sse));
+    let pump = pump(state.clone(), upstream, tx, deadline, sse, done, sight);
     state
         .tracker
         .spawn(pump.instrument(tracing::Span::current()));
@@ -482,6 +497,7 @@ async fn pump(
     deadline: TokioInstant,
     sse: bool,
     done: Done,
+    (predicted_cached_tokens, mut tap): (u32, UsageTap),
 ) {
     let mut body = upstream.bytes_stream();
     // Whether the bytes sent so far end between two SSE events.
@@ -506,6 +522,7 @@ async fn pump(
                     continue;
                 }
                 at_boundary = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
+                tap.feed(&chunk);
                 match timeout_at(deadline, tx.send(Ok(chunk))).await {
                     Ok(Ok(())) => {}
                     // The client went away: dropping the upstream body cancels the generation.
@@ -525,6 +542,13 @@ async fn pump(
         }
     };
     drop(body);
+    if cut.is_none()
+        && let Some(engine) = tap.finish()
+    {
+        state
+            .metrics
+            .sight(&done.pod, predicted_cached_tokens, engine);
+    }
     if let Some((reason, err)) = cut {
         state.metrics.cut(reason);
         warn!(reason, error = %err, "stream cut");

@@ -72,8 +72,11 @@ async fn connection(
     stop: CancellationToken,
 ) -> Result<(), TransportError> {
     // A certificate not signed by the CA fails here, before any application byte.
-    let conn = incoming.await?;
+    let conn = incoming
+        .await
+        .inspect_err(|_| state.metrics.sidecar_refused("handshake"))?;
     let Ok(accepted) = timeout(HELLO_TIMEOUT, conn.accept_bi()).await else {
+        state.metrics.sidecar_refused("protocol");
         close(&conn, CloseReason::ProtocolViolation, "no stream");
         return Ok(());
     };
@@ -83,17 +86,21 @@ async fn connection(
     let hello = match first {
         Ok(Ok(Some(SidecarMessage::Hello(h)))) if h.protocol_version == PROTOCOL_VERSION => h,
         Ok(Ok(Some(SidecarMessage::Hello(h)))) => {
+            state.metrics.sidecar_refused("version");
             return refuse(&conn, &mut send, h.protocol_version).await;
         }
         Ok(Err(TransportError::Frame(FrameError::VersionMismatch { theirs, .. }))) => {
+            state.metrics.sidecar_refused("version");
             return refuse(&conn, &mut send, theirs).await;
         }
         Ok(Ok(None)) => return Ok(()),
         Ok(Err(e)) => {
+            state.metrics.sidecar_refused("protocol");
             close(&conn, CloseReason::ProtocolViolation, "malformed frame");
             return Err(e);
         }
         Ok(Ok(Some(_))) | Err(_) => {
+            state.metrics.sidecar_refused("protocol");
             close(&conn, CloseReason::ProtocolViolation, "expected Hello");
             return Ok(());
         }

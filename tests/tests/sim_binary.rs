@@ -55,3 +55,44 @@ async fn bad_flag_exits_64() -> anyhow::Result<()> {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--lora-modules"));
     Ok(())
 }
+
+#[tokio::test]
+async fn export_tokenizer_writes_the_files_it_reads() -> anyhow::Result<()> {
+    let Some(src) = kvsight_testbed::cluster::own_tokenizer_or_skip(
+        "export_tokenizer_writes_the_files_it_reads",
+    ) else {
+        return Ok(());
+    };
+    let out = std::env::temp_dir().join(format!("kvsight-export-tokenizer-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
+        .arg("--tokenizer")
+        .arg(&src)
+        .arg("--export-tokenizer")
+        .arg(out.join("tok"))
+        .output()
+        .await?;
+    let read = |dir: &std::path::Path, f: &str| std::fs::read(dir.join(f));
+    let same = ["tokenizer.json", "tokenizer_config.json"]
+        .iter()
+        .map(|f| Ok(read(&src, f)? == read(&out.join("tok"), f)?))
+        .collect::<std::io::Result<Vec<bool>>>();
+    let _ = std::fs::remove_dir_all(&out);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(same?, [true, true]);
+    // No files to write: refused as a bad flag.
+    let builtin = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
+        .args([
+            "--tokenizer",
+            "builtin",
+            "--export-tokenizer",
+            "/nonexistent/x",
+        ])
+        .output()
+        .await?;
+    assert_eq!(builtin.status.code(), Some(64));
+    Ok(())
+}

@@ -27,14 +27,20 @@ const HELM_SHA256: &str = "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd2
 /// The Kubernetes version the rendered objects are validated against.
 const KUBE_VERSION: &str = "1.33.0";
 /// Kinds without a schema in kubernetes-validate; checked by the assertions below instead.
-const CRD_KINDS: [&str; 3] = ["Certificate", "Issuer", "ServiceMonitor"];
+const CRD_KINDS: [&str; 5] = [
+    "Certificate",
+    "Issuer",
+    "ServiceMonitor",
+    "PodMonitor",
+    "HTTPRoute",
+];
 
 const CHART: &str = "helm/kvsight";
 const RELEASE: &str = "kvs";
 const NAMESPACE: &str = "llm";
 
 /// Values that must fail rendering, and a piece of the message they must fail with.
-const MUST_FAIL: [(&str, &[&str], &str); 8] = [
+const MUST_FAIL: [(&str, &[&str], &str); 9] = [
     (
         "a sidecar name that is not a DNS name",
         &["tls.sidecarName=.Not A Name"],
@@ -74,6 +80,11 @@ const MUST_FAIL: [(&str, &[&str], &str); 8] = [
             "modelServers[1].model=m",
         ],
         "\"a\" is used twice",
+    ),
+    (
+        "an HTTPRoute without a Gateway",
+        &["router.httpRoute.enabled=true"],
+        "router.httpRoute.parentRefs is required",
     ),
     (
         "an unknown values key",
@@ -119,7 +130,8 @@ pub(crate) fn chart_check(root: &Path, python: &Path, router: RouterBinary) -> R
     ensure!(!sets.is_empty(), "no helm/kvsight/ci/*-values.yaml");
 
     let mut to_validate = Vec::new();
-    let mut two_pools = None;
+    // Every set's rendering by name (`two-pools`, `simulate`): the mutations' baselines.
+    let mut baselines: BTreeMap<String, Vec<Value>> = BTreeMap::new();
     for set in &sets {
         let name = set.file_name().unwrap().to_string_lossy().to_string();
         let t = Instant::now();
@@ -159,9 +171,7 @@ pub(crate) fn chart_check(root: &Path, python: &Path, router: RouterBinary) -> R
             ASSERTIONS.len() + 1,
             t.elapsed().as_secs_f64()
         );
-        if name == "two-pools-values.yaml" {
-            two_pools = Some(docs);
-        }
+        baselines.insert(name.trim_end_matches("-values.yaml").to_owned(), docs);
     }
 
     // Strict schema validation, one process for every object of every set.
@@ -186,8 +196,10 @@ pub(crate) fn chart_check(root: &Path, python: &Path, router: RouterBinary) -> R
     );
 
     // Every assertion fails on a rendering broken for it.
-    let docs = two_pools.context("ci/two-pools-values.yaml is the mutation baseline")?;
-    for (assertion, mutate) in MUTATIONS {
+    for (assertion, baseline, mutate) in MUTATIONS {
+        let docs = baselines
+            .get(baseline)
+            .with_context(|| format!("ci/{baseline}-values.yaml is a mutation baseline"))?;
         let mut broken = docs.clone();
         mutate(&mut broken);
         let failures = run_assertions(&broken);
@@ -198,7 +210,7 @@ pub(crate) fn chart_check(root: &Path, python: &Path, router: RouterBinary) -> R
     }
     for (name, _) in ASSERTIONS {
         ensure!(
-            MUTATIONS.iter().any(|(a, _)| *a == name),
+            MUTATIONS.iter().any(|(a, _, _)| *a == name),
             "assertion `{name}` has no mutation proving it can fail"
         );
     }
@@ -408,7 +420,7 @@ fn install_helm(root: &Path) -> Result<PathBuf> {
 
 type Check = fn(&[Value]) -> std::result::Result<(), String>;
 
-const ASSERTIONS: [(&str, Check); 13] = [
+const ASSERTIONS: [(&str, Check); 17] = [
     ("sidecar-readiness", sidecar_readiness),
     ("vllm-sidecar-agree", vllm_sidecar_agree),
     ("model-netpol", model_netpol),
@@ -422,6 +434,10 @@ const ASSERTIONS: [(&str, Check); 13] = [
     ("router-config-dir", router_config_dir),
     ("model-termination", model_termination),
     ("service-monitor", service_monitor),
+    ("simulated-pods", simulated_pods),
+    ("pod-monitor", pod_monitor),
+    ("http-route", http_route),
+    ("grafana-dashboard", grafana_dashboard),
 ];
 
 fn run_assertions(docs: &[Value]) -> Vec<String> {
@@ -568,6 +584,14 @@ fn vllm_sidecar_agree(docs: &[Value]) -> std::result::Result<(), String> {
             .is_some_and(|a| a.iter().any(|a| a == "--enable-prefix-caching"));
         if !has_prefix_caching {
             return Err(format!("{n}: vLLM without --enable-prefix-caching"));
+        }
+        let has_details = vllm["args"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|a| a == "--enable-prompt-tokens-details"));
+        if !has_details {
+            return Err(format!(
+                "{n}: vLLM without --enable-prompt-tokens-details (routers' Sight reads it)"
+            ));
         }
         let port = arg(vllm, "--port").unwrap_or("8000");
         if env(sc, "KVSIGHT_VLLM_URL") != Some(&format!("http://127.0.0.1:{port}")) {
@@ -1010,7 +1034,12 @@ fn model_termination(docs: &[Value]) -> std::result::Result<(), String> {
             "127.0.0.1:{}/live",
             port_of(sc, "sidecar-http").unwrap_or(0)
         );
-        if !hook.contains(&live) {
+        if simulated(d) {
+            // vllm-sim's image has no shell or Python: it keeps serving for a fixed time.
+            if vllm["lifecycle"]["preStop"]["sleep"]["seconds"].as_i64() < Some(1) {
+                return Err(format!("{n}: the simulator's preStop does not sleep"));
+            }
+        } else if !hook.contains(&live) {
             return Err(format!(
                 "{n}: vLLM's preStop does not wait for the sidecar ({live})"
             ));
@@ -1067,8 +1096,203 @@ fn service_monitor(docs: &[Value]) -> std::result::Result<(), String> {
     Ok(())
 }
 
+fn simulated(d: &Value) -> bool {
+    pod_labels(d)
+        .get("kvsight.io/simulated")
+        .map(String::as_str)
+        == Some("true")
+}
+
+/// Pods with `simulate: true` run vllm-sim, ask for no GPU anywhere, and the simulator and the
+/// sidecar read one tokenizer: the folder an init container exported it to, one volume.
+fn simulated_pods(docs: &[Value]) -> std::result::Result<(), String> {
+    for d in model_deployments(docs).into_iter().filter(|d| simulated(d)) {
+        let n = name_of(d);
+        let spec = &d["spec"]["template"]["spec"];
+        let inits = spec["initContainers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let all: Vec<&Value> = spec["containers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .chain(&inits)
+            .collect();
+        for c in &all {
+            let r = &c["resources"];
+            let gpu = ["requests", "limits"].iter().any(|k| {
+                r[k].as_object()
+                    .is_some_and(|m| m.keys().any(|k| k.contains("gpu")))
+            });
+            if gpu {
+                return Err(format!("{n}: {} asks for a GPU", c["name"]));
+            }
+            if !hardened(c) {
+                return Err(format!("{n}: {} is not hardened", c["name"]));
+            }
+        }
+        let vllm = container(d, "vllm")?;
+        let image = vllm["image"].as_str().unwrap_or_default();
+        if !image.contains("vllm-sim") || vllm.get("command").is_some() {
+            return Err(format!(
+                "{n}: the model container runs {image}, not vllm-sim"
+            ));
+        }
+        let dir = arg(vllm, "--tokenizer").ok_or_else(|| format!("{n}: no --tokenizer"))?;
+        let sc = container(d, "kvsight-sidecar")?;
+        if env(sc, "KVSIGHT_TOKENIZER_DIR") != Some(dir) {
+            return Err(format!(
+                "{n}: the sidecar does not read the tokenizer at {dir}"
+            ));
+        }
+        let volume_at = |c: &Value| {
+            c["volumeMounts"]
+                .as_array()
+                .and_then(|ms| ms.iter().find(|m| m["mountPath"] == dir))
+                .map(|m| m["name"].clone())
+        };
+        let export = inits
+            .iter()
+            .find(|c| arg(c, "--export-tokenizer") == Some(dir))
+            .ok_or_else(|| format!("{n}: no init container exports the tokenizer to {dir}"))?;
+        let volume = volume_at(export);
+        if volume.is_none() || volume != volume_at(vllm) || volume != volume_at(sc) {
+            return Err(format!(
+                "{n}: the exporter, the simulator and the sidecar do not share {dir}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A PodMonitor (no schema here) selects exactly the model pods and scrapes the sidecar's
+/// /metrics (and, if at all, vLLM's) by container port name.
+fn pod_monitor(docs: &[Value]) -> std::result::Result<(), String> {
+    for pm in of_kind(docs, "PodMonitor") {
+        if pm["apiVersion"] != "monitoring.coreos.com/v1" {
+            return Err("PodMonitor is not monitoring.coreos.com/v1".into());
+        }
+        let sel = labels_of(&pm["spec"]["selector"]["matchLabels"]);
+        let models = model_deployments(docs);
+        if models.iter().any(|d| !selects(&sel, &pod_labels(d))) {
+            return Err(format!("PodMonitor {sel:?} misses a model pod"));
+        }
+        if selects(&sel, &pod_labels(router_deployment(docs)?)) {
+            return Err("PodMonitor selects router pods".into());
+        }
+        let eps = pm["spec"]["podMetricsEndpoints"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for ep in &eps {
+            let port = ep["port"].as_str().unwrap_or_default();
+            let named = models.iter().all(|d| {
+                d["spec"]["template"]["spec"]["containers"]
+                    .as_array()
+                    .is_some_and(|cs| cs.iter().any(|c| port_of(c, port).is_some()))
+            });
+            if !named || ep["path"] != "/metrics" {
+                return Err(format!(
+                    "endpoint {ep} is not a /metrics port of the model pods"
+                ));
+            }
+        }
+        if !eps.iter().any(|ep| ep["port"] == "sidecar-http") {
+            return Err("PodMonitor does not scrape the sidecars".into());
+        }
+    }
+    Ok(())
+}
+
+/// Paths the router serves to clients: what an HTTPRoute may send it.
+const ROUTER_API_PATHS: [&str; 4] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+];
+
+/// An HTTPRoute (no schema here) names a Gateway and sends the router's OpenAI paths, and only
+/// them, to the router HTTP Service's port.
+fn http_route(docs: &[Value]) -> std::result::Result<(), String> {
+    for r in of_kind(docs, "HTTPRoute") {
+        if r["apiVersion"] != "gateway.networking.k8s.io/v1" {
+            return Err("HTTPRoute is not gateway.networking.k8s.io/v1".into());
+        }
+        let parents = r["spec"]["parentRefs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if parents.is_empty()
+            || parents
+                .iter()
+                .any(|p| p["kind"] != "Gateway" || p["name"].as_str().unwrap_or("").is_empty())
+        {
+            return Err(format!("parentRefs {parents:?} do not name a Gateway"));
+        }
+        let router = pod_labels(router_deployment(docs)?);
+        for rule in r["spec"]["rules"].as_array().into_iter().flatten() {
+            let paths: Vec<&str> = rule["matches"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["path"]["value"].as_str())
+                .collect();
+            if paths.len() != ROUTER_API_PATHS.len()
+                || paths.iter().any(|p| !ROUTER_API_PATHS.contains(p))
+            {
+                return Err(format!(
+                    "a rule matches {paths:?}, not {ROUTER_API_PATHS:?}"
+                ));
+            }
+            for b in rule["backendRefs"].as_array().into_iter().flatten() {
+                let svc = of_kind(docs, "Service")
+                    .find(|s| s["metadata"]["name"] == b["name"])
+                    .ok_or_else(|| format!("backendRef {b} names no Service"))?;
+                let serves = selects(&labels_of(&svc["spec"]["selector"]), &router)
+                    && svc["spec"]["clusterIP"] != "None"
+                    && svc["spec"]["ports"].as_array().is_some_and(|ps| {
+                        ps.iter()
+                            .any(|p| p["port"] == b["port"] && p["targetPort"] == "http")
+                    });
+                if !serves {
+                    return Err(format!(
+                        "backendRef {b} is not the router HTTP Service's port"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The dashboard ConfigMap carries Grafana's sidecar label and the chart's dashboard file
+/// unchanged (the same file docs/grafana/kvsight.json links to).
+fn grafana_dashboard(docs: &[Value]) -> std::result::Result<(), String> {
+    let file = Path::new(CHART).join("dashboards/kvsight.json");
+    let want = std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    for cm in of_kind(docs, "ConfigMap").filter(|c| name_of(c).ends_with("-dashboard")) {
+        if cm["metadata"]["labels"]["grafana_dashboard"] != "1" {
+            return Err(format!(
+                "{}: no grafana_dashboard: \"1\" label",
+                name_of(cm)
+            ));
+        }
+        let got = cm["data"]["kvsight.json"].as_str().unwrap_or_default();
+        if got.trim_end() != want.trim_end() {
+            return Err(format!(
+                "{}: kvsight.json is not {}",
+                name_of(cm),
+                file.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
-// One deliberate breakage per assertion, applied to the two-pools rendering.
+// One deliberate breakage per assertion, applied to a baseline rendering (`ci/<name>-values.yaml`).
 
 type Mutation = fn(&mut [Value]);
 
@@ -1098,45 +1322,45 @@ fn set_env(c: &mut Value, key: &str, value: &str) {
     }
 }
 
-const MUTATIONS: [(&str, Mutation); 13] = [
-    ("sidecar-readiness", |docs| {
+const MUTATIONS: [(&str, &str, Mutation); 17] = [
+    ("sidecar-readiness", "two-pools", |docs| {
         containers(first_model(docs))[1]["readinessProbe"]["httpGet"]["path"] = "/live".into();
     }),
-    ("vllm-sidecar-agree", |docs| {
+    ("vllm-sidecar-agree", "two-pools", |docs| {
         set_env(
             &mut containers(first_model(docs))[1],
             "KVSIGHT_MAX_NUM_SEQS",
             "7",
         );
     }),
-    ("model-netpol", |docs| {
+    ("model-netpol", "two-pools", |docs| {
         let p = by_kind(docs, "NetworkPolicy", |p| {
             name_of(p).ends_with("-model-servers")
         });
         p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] =
             "model-server".into();
     }),
-    ("router-netpol", |docs| {
+    ("router-netpol", "two-pools", |docs| {
         let p = by_kind(docs, "NetworkPolicy", |p| name_of(p).ends_with("-router"));
         p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] =
             "router".into();
     }),
-    ("router-tls-names", |docs| {
+    ("router-tls-names", "two-pools", |docs| {
         let c = by_kind(docs, "Certificate", |c| name_of(c).ends_with("-router"));
         c["spec"]["dnsNames"]
             .as_array_mut()
             .expect("dnsNames")
             .pop();
     }),
-    ("tls-secrets-wired", |docs| {
+    ("tls-secrets-wired", "two-pools", |docs| {
         let c = by_kind(docs, "Certificate", |c| name_of(c).ends_with("-sidecar"));
         c["spec"]["secretName"] = "elsewhere".into();
     }),
-    ("router-pod", |docs| {
+    ("router-pod", "two-pools", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");
         d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 35.into();
     }),
-    ("tls-files-renewable", |docs| {
+    ("tls-files-renewable", "two-pools", |docs| {
         let sidecar = &mut containers(first_model(docs))[1];
         let mounts = sidecar["volumeMounts"]
             .as_array_mut()
@@ -1147,11 +1371,11 @@ const MUTATIONS: [(&str, Mutation); 13] = [
             .expect("the sidecar's TLS mount");
         tls["subPath"] = "tls.crt".into();
     }),
-    ("certificate-names", |docs| {
+    ("certificate-names", "two-pools", |docs| {
         let c = by_kind(docs, "Certificate", |c| c["spec"]["isCA"].is_null());
         c["spec"]["commonName"] = c["spec"]["dnsNames"][0].clone();
     }),
-    ("sidecar-name-pinned", |docs| {
+    ("sidecar-name-pinned", "two-pools", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");
         set_env(
             &mut containers(d)[0],
@@ -1159,15 +1383,30 @@ const MUTATIONS: [(&str, Mutation); 13] = [
             "someone-else.llm",
         );
     }),
-    ("router-config-dir", |docs| {
+    ("router-config-dir", "two-pools", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");
         containers(d)[0]["volumeMounts"][0]["subPath"] = "router.yaml".into();
     }),
-    ("model-termination", |docs| {
+    ("model-termination", "two-pools", |docs| {
         containers(first_model(docs))[0]["lifecycle"] = serde_json::json!({});
     }),
-    ("service-monitor", |docs| {
+    ("service-monitor", "two-pools", |docs| {
         let s = by_kind(docs, "ServiceMonitor", |_| true);
         s["spec"]["endpoints"][0]["port"] = "metrics".into();
+    }),
+    ("simulated-pods", "simulate", |docs| {
+        containers(first_model(docs))[0]["resources"]["limits"]["nvidia.com/gpu"] = 1.into();
+    }),
+    ("pod-monitor", "simulate", |docs| {
+        let p = by_kind(docs, "PodMonitor", |_| true);
+        p["spec"]["podMetricsEndpoints"][0]["port"] = "metrics".into();
+    }),
+    ("http-route", "simulate", |docs| {
+        let r = by_kind(docs, "HTTPRoute", |_| true);
+        r["spec"]["rules"][0]["backendRefs"][0]["port"] = 4433.into();
+    }),
+    ("grafana-dashboard", "simulate", |docs| {
+        let c = by_kind(docs, "ConfigMap", |c| name_of(c).ends_with("-dashboard"));
+        c["data"]["kvsight.json"] = "{}".into();
     }),
 ];

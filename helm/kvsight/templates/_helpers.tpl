@@ -134,7 +134,8 @@ The kvsight sidecar container. Include it in any vLLM pod:
 Keys: root (the chart context, required), maxNumSeqs (required: vLLM's --max-num-seqs),
 maxNumBatchedTokens, podLabels (labels routers select pools by), vllmPort (default 8000),
 modelMount ({name, mountPath}: the model volume, mounted read-only so the sidecar reads
-tokenizer.json from vLLM's model root). The pod also needs the labels of
+tokenizer.json from vLLM's model root), tokenizerDir (where tokenizer.json is when it is not
+vLLM's model root). The pod also needs the labels of
 "kvsight.modelSelectorLabels" and the vLLM preStop hook of "kvsight.vllmPreStop".
 
 It is an ordinary container, not a native (init) sidecar, on purpose: native sidecars are
@@ -188,6 +189,10 @@ of termination, while vLLM still serves.
     {{- with .maxNumBatchedTokens }}
     - name: KVSIGHT_MAX_NUM_BATCHED_TOKENS
       value: {{ int . | quote }}
+    {{- end }}
+    {{- with .tokenizerDir }}
+    - name: KVSIGHT_TOKENIZER_DIR
+      value: {{ . | quote }}
     {{- end }}
     {{- with $v.sidecar.warmup }}
     - name: KVSIGHT_WARMUP

@@ -160,6 +160,8 @@ pub struct Decision {
     /// Least-request scoring was used (no candidate caches prefixes).
     pub least_request: bool,
     pub candidates: usize,
+    /// Eligible pods the saturation rule left out of the ranking.
+    pub saturation_skipped: usize,
 }
 
 /// Filters and weighted scorers built from the config.
@@ -424,6 +426,7 @@ impl Scheduler {
             all_saturated,
             least_request,
             candidates: n_eligible,
+            saturation_skipped: n_eligible - open.len(),
         };
         let new_blocks = winner.new_blocks;
         let record_chain: &[u64] = if winner.pod.hello.engine.prefix_caching {

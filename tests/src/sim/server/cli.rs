@@ -78,6 +78,11 @@ pub struct Args {
     /// model_type llama, or no config.json). Refused at start for tokenizers it does not apply to.
     #[arg(long, default_value = "transformers4")]
     pub tokenizer_dialect: Dialect,
+    /// Simulator: write the tokenizer files this engine reads (`tokenizer.json`,
+    /// `tokenizer_config.json`) into this folder and exit. The image build bakes the project's
+    /// own tokenizer in this way, and the chart's init container hands it to the pod's sidecar.
+    #[arg(long)]
+    pub export_tokenizer: Option<PathBuf>,
     /// Simulator: prefill throughput, uncached prompt tokens per second.
     #[arg(long, default_value_t = 10_000.0)]
     pub prefill_tokens_per_s: f64,

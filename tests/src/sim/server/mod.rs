@@ -85,6 +85,13 @@ impl TokenizerFiles {
         })
     }
 
+    /// Writes the files into `dir` (created if missing), as [`Self::from_dir`] reads them.
+    pub fn to_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("tokenizer.json"), &self.tokenizer_json)?;
+        std::fs::write(dir.join("tokenizer_config.json"), &self.tokenizer_config)
+    }
+
     /// The project's own tokenizer (trained once, cached under `target/`), as `vllm-sim` uses
     /// by default; give the router the same files so both sides tokenize alike.
     pub fn own() -> Result<Self, crate::own_tokenizer::OwnTokenizerError> {
