@@ -477,3 +477,62 @@ async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
     r.shutdown.cancel();
     r.task.await.unwrap().unwrap();
 }
+
+/// The closing code of a connection the router closed.
+async fn close_code(sc: &Sidecar) -> Option<u64> {
+    let err = tokio::time::timeout(Duration::from_secs(5), sc.conn.closed())
+        .await
+        .expect("the router closes the connection within 5 s");
+    match err {
+        quinn::ConnectionError::ApplicationClosed(c) => Some(c.error_code.into_inner()),
+        other => panic!("closed by {other:?}"),
+    }
+}
+
+/// Issue 13: a `Load` with a NaN KV use decoded and sat in the registry, where every threshold
+/// comparison with it is false (never saturated). Now the decoder refuses it: that one
+/// connection is closed as a protocol violation, its pod leaves, and the router and the other
+/// pods carry on.
+#[tokio::test]
+async fn a_load_with_nan_kv_usage_closes_that_connection_only() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let tls = ca.material("pod", &["pod"]).unwrap();
+    let mut good = connect(&tls, r.quic).await.unwrap();
+    good.register("good").await;
+    let mut bad = connect(&tls, r.quic).await.unwrap();
+    bad.register("bad").await;
+    let st = r.state.clone();
+    eventually("both registered", || st.registry().len() == 2).await;
+
+    bad.send
+        .send(&SidecarMessage::Load(Load {
+            kv_usage: f32::NAN,
+            ..load(Phase::Ready, 0, 0)
+        }))
+        .await
+        .unwrap();
+    assert_eq!(
+        close_code(&bad).await,
+        Some(CloseReason::ProtocolViolation.code().into())
+    );
+    eventually("the bad pod leaves", || {
+        st.registry().get("ns/bad").is_none()
+    })
+    .await;
+
+    // The other connection still works: its next report is applied.
+    good.send
+        .send(&SidecarMessage::Load(load(Phase::Ready, 3, 0)))
+        .await
+        .unwrap();
+    eventually("the good pod's report", || {
+        st.registry()
+            .get("ns/good")
+            .and_then(|p| p.load.as_ref().map(|l| l.load.running))
+            == Some(3)
+    })
+    .await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
