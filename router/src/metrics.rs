@@ -30,6 +30,9 @@ pub struct Metrics {
     pub view_staleness_seconds: Histogram,
     pub retries: Family<Labels, Counter>,
     pub stream_cuts: Family<Labels, Counter>,
+    /// Requests and connections refused by a client bound (`limits.*`, `timeouts.*Read*`), and
+    /// sidecars refused for their advertised URL, by reason.
+    pub refused: Family<Labels, Counter>,
     pub config_reloads: Family<Labels, Counter>,
     /// Looks at changed TLS files, by outcome (applied, unchanged, rejected).
     pub tls_reloads: Family<Labels, Counter>,
@@ -71,6 +74,7 @@ impl Metrics {
             view_staleness_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 16)),
             retries: Family::default(),
             stream_cuts: Family::default(),
+            refused: Family::default(),
             config_reloads: Family::default(),
             tls_reloads: Family::default(),
             prefix_mode: Family::default(),
@@ -118,6 +122,13 @@ impl Metrics {
             "kvsight_router_stream_cuts",
             "Streams ended with an SSE error event, by reason (deadline, upstream)",
             m.stream_cuts.clone(),
+        );
+        prom.register(
+            "kvsight_router_refused",
+            "Refusals by reason: body_bytes, body_read_time, header_read_time, header_bytes \
+             (size or count of the request head), json_depth, chat_messages, prompt_bytes, \
+             connections (clients); advertised_url (sidecars)",
+            m.refused.clone(),
         );
         prom.register(
             "kvsight_router_config_reloads",
@@ -194,6 +205,12 @@ impl Metrics {
 
     pub fn cut(&self, reason: &'static str) {
         self.stream_cuts
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        self.refused
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
     }
