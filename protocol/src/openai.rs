@@ -45,8 +45,8 @@ pub fn lax_bool(v: &Value) -> Result<bool, LaxBoolError> {
             (Some(0), _) => Ok(false),
             (Some(1), _) => Ok(true),
             (Some(_), _) => Err(LaxBoolError::BoolParsing),
-            (None, Some(f)) if f == 0.0 => Ok(false),
-            (None, Some(f)) if f == 1.0 => Ok(true),
+            (None, Some(0.0)) => Ok(false),
+            (None, Some(1.0)) => Ok(true),
             _ => Err(LaxBoolError::BoolParsing),
         },
         Value::String(s) => {

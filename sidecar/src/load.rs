@@ -73,9 +73,13 @@ pub fn build_load(
         cache_view: view,
         running: m.running.max(0.0).round() as u32,
         waiting: m.waiting.max(0.0).round() as u32,
-        // `max` first: `clamp` keeps a NaN (vLLM prints one before its first step), which routers
-        // refuse (`Load::validate`); NaN counts as 0 like the counts above.
-        kv_usage: m.kv_usage.max(0.0).min(1.0) as f32,
+        // `clamp` keeps a NaN, which routers refuse (`Load::validate`): NaN counts as 0 like
+        // the counts above.
+        kv_usage: if m.kv_usage.is_nan() {
+            0.0
+        } else {
+            m.kv_usage.clamp(0.0, 1.0) as f32
+        },
         unrouted: unrouted(m.running, m.waiting, inflight),
         prefix_cache_queries: m.prefix_cache_queries.max(0.0) as u64,
         prefix_cache_hits: m.prefix_cache_hits.max(0.0) as u64,
