@@ -119,6 +119,20 @@ impl FilterParams {
         Ok(())
     }
 
+    /// A snapshot of this shape carrying `bits_len` bytes of bits: the size is in range and the
+    /// bytes are exactly the filter's.
+    pub fn check_snapshot(&self, bits_len: usize) -> Result<(), FilterError> {
+        self.check()?;
+        let want = self.num_words() * 8;
+        if bits_len != want {
+            return Err(FilterError::SnapshotLength {
+                got: bits_len,
+                want,
+            });
+        }
+        Ok(())
+    }
+
     /// Word indices and in-word bit positions of a key: block chosen from the key's high bits
     /// (multiply-shift range reduction), positions from a remix so they are independent of it.
     #[inline]
@@ -271,14 +285,7 @@ impl BloomFilter {
 
     /// Replaces everything with a sidecar's snapshot.
     pub fn from_snapshot(snap: &CacheSnapshot) -> Result<Self, FilterError> {
-        snap.params.check()?;
-        let want = snap.params.num_words() * 8;
-        if snap.bits.len() != want {
-            return Err(FilterError::SnapshotLength {
-                got: snap.bits.len(),
-                want,
-            });
-        }
+        snap.params.check_snapshot(snap.bits.len())?;
         let lines = snap
             .bits
             .chunks_exact(8 * WORDS_PER_BLOCK)

@@ -8,7 +8,7 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::messages::{PROTOCOL_VERSION, RouterMessage, SidecarMessage};
+use crate::messages::{InvalidField, PROTOCOL_VERSION, RouterMessage, SidecarMessage};
 
 /// Bytes of the length prefix.
 pub const HEADER_LEN: usize = 4;
@@ -30,6 +30,8 @@ pub enum FrameError {
     VersionMismatch { ours: u16, theirs: u16 },
     #[error("stream ended inside a frame ({0} bytes buffered)")]
     Truncated(usize),
+    #[error("invalid message: {0}")]
+    Invalid(#[from] InvalidField),
 }
 
 /// A message type that travels in frames. Its leading variants start with the protocol version,
@@ -37,14 +39,27 @@ pub enum FrameError {
 pub trait WireMessage: Serialize + DeserializeOwned {
     /// Variant indices whose first field is `protocol_version`.
     const VERSIONED_VARIANTS: &'static [u32];
+
+    /// Range checks of the message's numbers, run by the decoder after parsing: postcard
+    /// accepts any bit pattern for a float, and a peer must not be able to hand the other side
+    /// NaN or a zero block size.
+    fn validate(&self) -> Result<(), InvalidField>;
 }
 
 impl WireMessage for SidecarMessage {
     const VERSIONED_VARIANTS: &'static [u32] = &[0];
+
+    fn validate(&self) -> Result<(), InvalidField> {
+        SidecarMessage::validate(self)
+    }
 }
 
 impl WireMessage for RouterMessage {
     const VERSIONED_VARIANTS: &'static [u32] = &[0, 1];
+
+    fn validate(&self) -> Result<(), InvalidField> {
+        RouterMessage::validate(self)
+    }
 }
 
 /// Checks a peer's protocol version.
@@ -107,6 +122,7 @@ pub fn decode_payload<M: WireMessage>(payload: &[u8]) -> Result<M, FrameError> {
             if let Some(theirs) = peek_version::<M>(payload) {
                 check_version(theirs)?;
             }
+            msg.validate()?;
             Ok(msg)
         }
         Ok((_, rest)) => {

@@ -5,6 +5,7 @@
 //! - [`bloom`]: the Bloom filter of resident blocks, its snapshots and deltas;
 //! - [`messages`]: the messages, one enum per direction, versioned by [`PROTOCOL_VERSION`];
 //! - [`frame`]: length-prefixed postcard frames with a size limit and typed decode errors;
+//! - [`openai`]: OpenAI request fields read the way vLLM's pydantic models read them;
 //! - [`tokenizer_transfer`]: chunking a model's tokenizer files for the wire;
 //! - `tokenizer` (feature `tokenizer`): tokenizing exactly as vLLM does, so the router's chain
 //!   equals the one the sidecar computes from the engine's own token ids.
@@ -16,6 +17,7 @@ pub mod bloom;
 pub mod frame;
 pub mod hash;
 pub mod messages;
+pub mod openai;
 #[cfg(feature = "tokenizer")]
 pub mod tokenizer;
 pub mod tokenizer_transfer;

@@ -313,6 +313,175 @@ impl CloseReason {
     }
 }
 
+/// A decoded message carrying a number no honest peer sends (NaN, a negative rate, a zero block
+/// size…). The frame decoder refuses it like a malformed frame, so the caller closes that one
+/// connection: a sidecar reporting a NaN KV use would otherwise never look saturated, and a block
+/// size of zero would make every prompt one endless block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidField {
+    /// The field's path in the message, e.g. `Load.kv_usage`.
+    pub field: &'static str,
+    pub reason: String,
+}
+
+/// Largest KV block size accepted in a `Hello`. vLLM's are 16–256, hybrid models' a few
+/// thousand at most; far above both, and small enough that one block's hash input stays bounded.
+pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
+/// Longest report interval accepted in a `Hello`: an hour (sidecars report every second or so).
+pub const MAX_LOAD_INTERVAL_MS: u32 = 3_600_000;
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> Result<(), InvalidField> {
+    Err(InvalidField {
+        field,
+        reason: reason.into(),
+    })
+}
+
+fn in_range(field: &'static str, v: u64, lo: u64, hi: u64) -> Result<(), InvalidField> {
+    if (lo..=hi).contains(&v) {
+        Ok(())
+    } else {
+        invalid(field, format!("{v} is outside {lo} ..= {hi}"))
+    }
+}
+
+impl Hello {
+    /// Checks every number against what a real engine can report.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        let e = &self.engine;
+        in_range(
+            "Hello.engine.block_size",
+            e.block_size.into(),
+            1,
+            MAX_BLOCK_SIZE.into(),
+        )?;
+        in_range(
+            "Hello.engine.max_num_seqs",
+            e.max_num_seqs.into(),
+            1,
+            u32::MAX.into(),
+        )?;
+        in_range(
+            "Hello.engine.max_model_len",
+            e.max_model_len.into(),
+            1,
+            u32::MAX.into(),
+        )?;
+        if let Some(t) = e.max_num_batched_tokens {
+            in_range(
+                "Hello.engine.max_num_batched_tokens",
+                t.into(),
+                1,
+                u32::MAX.into(),
+            )?;
+        }
+        in_range(
+            "Hello.load_interval_ms",
+            self.load_interval_ms.into(),
+            1,
+            MAX_LOAD_INTERVAL_MS.into(),
+        )
+    }
+}
+
+impl Load {
+    /// `kv_usage` must be a fraction and the prefill rate a finite, positive number: the router
+    /// compares both with thresholds, and every comparison with NaN is false.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        if !(0.0..=1.0).contains(&self.kv_usage) {
+            return invalid(
+                "Load.kv_usage",
+                format!("{} is not a fraction in 0 ..= 1", self.kv_usage),
+            );
+        }
+        if let Some(r) = self.prefill_tokens_per_s
+            && !(r.is_finite() && r > 0.0)
+        {
+            return invalid(
+                "Load.prefill_tokens_per_s",
+                format!("{r} is not a finite positive rate"),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl CacheSnapshot {
+    /// The filter's size is in range and the bits are exactly that size.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        self.params
+            .check_snapshot(self.bits.len())
+            .or_else(|e| invalid("CacheSnapshot.params", e.to_string()))
+    }
+}
+
+impl CacheDelta {
+    /// A delta leads from one version to the next (the gap coding already made `toggles`
+    /// strictly increasing).
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        if self.base_version.checked_add(1) != Some(self.version) {
+            return invalid(
+                "CacheDelta.version",
+                format!(
+                    "{} does not follow base_version {}",
+                    self.version, self.base_version
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl TokenizerChunk {
+    /// The chunk lies inside its file, and the file inside the transfer limit.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        let max = crate::tokenizer_transfer::MAX_TOKENIZER_BYTES;
+        in_range("TokenizerChunk.file_len", self.file_len, 0, max)?;
+        match self.offset.checked_add(self.data.len() as u64) {
+            Some(end) if end <= self.file_len => Ok(()),
+            _ => invalid(
+                "TokenizerChunk.offset",
+                format!(
+                    "{} + {} bytes passes the file's end at {}",
+                    self.offset,
+                    self.data.len(),
+                    self.file_len
+                ),
+            ),
+        }
+    }
+}
+
+impl SidecarMessage {
+    /// Range checks of every numeric field; the frame decoder runs them on every message.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        match self {
+            SidecarMessage::Hello(h) => h.validate(),
+            SidecarMessage::Load(l) => l.validate(),
+            SidecarMessage::CacheSnapshot(s) => s.validate(),
+            SidecarMessage::CacheDelta(d) => d.validate(),
+            SidecarMessage::TokenizerChunk(c) => c.validate(),
+            SidecarMessage::Goodbye(_) => Ok(()),
+        }
+    }
+}
+
+impl RouterMessage {
+    /// Every numeric field of a router's message is valid whatever its value (sequence numbers,
+    /// counts, versions checked separately); kept so both directions are checked the same way.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        match self {
+            RouterMessage::Welcome(_)
+            | RouterMessage::Refused(_)
+            | RouterMessage::Inflight(_)
+            | RouterMessage::TokenizerRequest(_)
+            | RouterMessage::ResyncRequest
+            | RouterMessage::Goodbye(_) => Ok(()),
+        }
+    }
+}
+
 /// Strictly increasing `u32`s as the first value and then the gaps between neighbours. Postcard
 /// writes `u32` as a varint, so dense or clustered positions take one or two bytes each.
 mod gaps {

@@ -220,3 +220,201 @@ fn removal_is_exact_and_unknown_removal_changes_nothing() {
     );
     assert_eq!(f.take_delta(), None, "nothing changed since");
 }
+
+/// A `Load` as an idle Ready pod reports it.
+fn load() -> Load {
+    Load {
+        seq: 1,
+        sample_age_ms: 0,
+        phase: Phase::Ready,
+        cache_view: CacheView::Exact,
+        running: 0,
+        waiting: 0,
+        kv_usage: 0.5,
+        unrouted: 0,
+        prefix_cache_queries: 0,
+        prefix_cache_hits: 0,
+        preemptions: 0,
+        prefill_tokens_per_s: Some(5_000.0),
+        lora_running: vec![],
+        lora_waiting: vec![],
+    }
+}
+
+/// Encodes `msg` (the encoder does not judge values) and decodes it as a router would.
+fn decode_sidecar(msg: &SidecarMessage) -> Result<SidecarMessage, FrameError> {
+    let bytes = frame::encode(msg).unwrap();
+    frame::decode::<SidecarMessage>(&bytes, MAX_FRAME_LEN).map(|m| m.expect("whole frame").0)
+}
+
+fn invalid_field(msg: SidecarMessage) -> &'static str {
+    match decode_sidecar(&msg) {
+        Err(FrameError::Invalid(e)) => e.field,
+        other => panic!("{msg:?} decoded as {other:?}"),
+    }
+}
+
+#[test]
+fn a_load_with_kv_usage_outside_0_to_1_is_refused_at_decode() {
+    for kv in [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.01,
+        1.01,
+        f32::MAX,
+    ] {
+        let msg = SidecarMessage::Load(Load {
+            kv_usage: kv,
+            ..load()
+        });
+        assert_eq!(invalid_field(msg), "Load.kv_usage", "kv_usage {kv}");
+    }
+    for kv in [0.0, 1.0, 0.25] {
+        let msg = SidecarMessage::Load(Load {
+            kv_usage: kv,
+            ..load()
+        });
+        assert_eq!(decode_sidecar(&msg).unwrap(), msg);
+    }
+}
+
+#[test]
+fn a_prefill_rate_that_is_not_finite_and_positive_is_refused_at_decode() {
+    for r in [f32::NAN, f32::INFINITY, 0.0, -1.0] {
+        let msg = SidecarMessage::Load(Load {
+            prefill_tokens_per_s: Some(r),
+            ..load()
+        });
+        assert_eq!(invalid_field(msg), "Load.prefill_tokens_per_s", "rate {r}");
+    }
+}
+
+/// The input `cargo fuzz run frame_decode` found first (issue 13): a `Load` whose `kv_usage`
+/// is NaN. It decoded, and its re-encoding could not compare equal to it.
+#[test]
+fn regression_fuzz_nan_kv_usage_frame() {
+    let mut payload = vec![1u8]; // variant 1 = Load
+    payload.extend_from_slice(&[1, 0, 2, 0, 0, 0]); // seq, age, Ready, Exact, running, waiting
+    payload.extend_from_slice(&f32::NAN.to_le_bytes()); // kv_usage
+    // unrouted, three counters, no rate, two empty LoRA lists
+    payload.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0]);
+    let mut bytes = (payload.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(&payload);
+    assert!(matches!(
+        frame::decode::<SidecarMessage>(&bytes, MAX_FRAME_LEN),
+        Err(FrameError::Invalid(InvalidField {
+            field: "Load.kv_usage",
+            ..
+        }))
+    ));
+    // The same bytes with a real number decode: only the value was wrong.
+    bytes[4 + 7..4 + 11].copy_from_slice(&0.5f32.to_le_bytes());
+    assert!(matches!(
+        frame::decode::<SidecarMessage>(&bytes, MAX_FRAME_LEN),
+        Ok(Some((SidecarMessage::Load(_), _)))
+    ));
+}
+
+#[test]
+fn a_hello_with_impossible_engine_facts_is_refused_at_decode() {
+    let hello = || Hello {
+        protocol_version: PROTOCOL_VERSION,
+        instance_id: 1,
+        pod: PodIdentity {
+            name: "p".into(),
+            namespace: "ns".into(),
+            url: "http://127.0.0.1:8000".into(),
+            labels: Default::default(),
+        },
+        engine: EngineFacts {
+            block_size: 16,
+            num_gpu_blocks: 1000,
+            prefix_caching: true,
+            max_num_seqs: 256,
+            max_model_len: 4096,
+            max_num_batched_tokens: Some(2048),
+            engine_version: "0.33.0".into(),
+        },
+        models: vec!["m".into()],
+        lora_adapters: vec![],
+        tokenizer: None,
+        sidecar_version: "t".into(),
+        load_interval_ms: 1000,
+    };
+    assert!(decode_sidecar(&SidecarMessage::Hello(hello())).is_ok());
+    let engine = |f: fn(&mut EngineFacts)| {
+        let mut h = hello();
+        f(&mut h.engine);
+        SidecarMessage::Hello(h)
+    };
+    assert_eq!(
+        invalid_field(engine(|e| e.block_size = 0)),
+        "Hello.engine.block_size"
+    );
+    assert_eq!(
+        invalid_field(engine(|e| e.block_size = MAX_BLOCK_SIZE + 1)),
+        "Hello.engine.block_size"
+    );
+    assert_eq!(
+        invalid_field(engine(|e| e.max_num_seqs = 0)),
+        "Hello.engine.max_num_seqs"
+    );
+    assert_eq!(
+        invalid_field(engine(|e| e.max_model_len = 0)),
+        "Hello.engine.max_model_len"
+    );
+    assert_eq!(
+        invalid_field(engine(|e| e.max_num_batched_tokens = Some(0))),
+        "Hello.engine.max_num_batched_tokens"
+    );
+    for ms in [0, MAX_LOAD_INTERVAL_MS + 1] {
+        let msg = SidecarMessage::Hello(Hello {
+            load_interval_ms: ms,
+            ..hello()
+        });
+        assert_eq!(invalid_field(msg), "Hello.load_interval_ms");
+    }
+}
+
+#[test]
+fn filter_messages_with_impossible_numbers_are_refused_at_decode() {
+    let snapshot = |num_blocks, len| {
+        SidecarMessage::CacheSnapshot(CacheSnapshot {
+            version: 1,
+            params: FilterParams { num_blocks },
+            resident_blocks: 0,
+            bits: vec![0; len],
+        })
+    };
+    assert!(decode_sidecar(&snapshot(2, 128)).is_ok());
+    assert_eq!(invalid_field(snapshot(0, 0)), "CacheSnapshot.params");
+    assert_eq!(invalid_field(snapshot(2, 127)), "CacheSnapshot.params");
+    let delta = |base_version, version| {
+        SidecarMessage::CacheDelta(CacheDelta {
+            base_version,
+            version,
+            resident_blocks: 0,
+            toggles: vec![1, 5],
+            age_ms: None,
+        })
+    };
+    assert!(decode_sidecar(&delta(4, 5)).is_ok());
+    assert_eq!(invalid_field(delta(4, 7)), "CacheDelta.version");
+    assert_eq!(invalid_field(delta(u64::MAX, 0)), "CacheDelta.version");
+    let chunk = |offset, file_len| {
+        SidecarMessage::TokenizerChunk(TokenizerChunk {
+            model: "m".into(),
+            digest: "d".into(),
+            file: TokenizerFile::TokenizerJson,
+            offset,
+            file_len,
+            last: false,
+            data: vec![0; 10],
+        })
+    };
+    assert!(decode_sidecar(&chunk(0, 10)).is_ok());
+    assert_eq!(invalid_field(chunk(1, 10)), "TokenizerChunk.offset");
+    assert_eq!(invalid_field(chunk(u64::MAX, 10)), "TokenizerChunk.offset");
+    assert_eq!(invalid_field(chunk(0, u64::MAX)), "TokenizerChunk.file_len");
+}

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use kvsight_protocol::bloom::{BloomFilter, CountingFilter, FilterParams};
 use kvsight_protocol::frame::{self, FrameError, FrameReader, MAX_FRAME_LEN};
 use kvsight_protocol::messages::*;
+use kvsight_protocol::tokenizer_transfer::MAX_TOKENIZER_BYTES;
 use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
@@ -29,19 +30,21 @@ fn hello() -> impl Strategy<Value = Hello> {
         version(),
         any::<u64>(),
         (text(), text(), text()),
+        // In the ranges `Hello::validate` accepts: the decoder refuses the rest (tested in
+        // frames.rs).
         (
-            any::<u32>(),
+            1..=MAX_BLOCK_SIZE,
             any::<u64>(),
             any::<bool>(),
-            any::<u32>(),
-            any::<u32>(),
-            option::of(any::<u32>()),
+            1..=u32::MAX,
+            1..=u32::MAX,
+            option::of(1..=u32::MAX),
             text(),
         ),
         vec(text(), 0..4),
         vec(text(), 0..4),
         option::of((text(), any::<u64>())),
-        (text(), any::<u32>()),
+        (text(), 1..=MAX_LOAD_INTERVAL_MS),
     )
         .prop_map(
             |(v, id, (name, ns, url), e, models, loras, tok, (sv, interval))| Hello {
@@ -84,7 +87,7 @@ fn load() -> impl Strategy<Value = Load> {
         ]),
         (any::<u32>(), any::<u32>(), 0f32..=1.0, any::<u32>()),
         (any::<u64>(), any::<u64>(), any::<u64>()),
-        option::of(0f32..1e6),
+        option::of(1e-3f32..1e6),
         vec(text(), 0..3),
         vec(text(), 0..3),
     )
@@ -118,22 +121,19 @@ fn sidecar_message() -> impl Strategy<Value = SidecarMessage> {
         load().prop_map(SidecarMessage::Load),
         (
             any::<u64>(),
-            1u32..4,
+            (1u32..4).prop_flat_map(|n| (Just(n), vec(any::<u8>(), n as usize * 64))),
             any::<u64>(),
-            vec(any::<u8>(), 0..300)
         )
-            .prop_map(
-                |(version, n, resident_blocks, bits)| SidecarMessage::CacheSnapshot(
-                    CacheSnapshot {
-                        version,
-                        params: FilterParams { num_blocks: n },
-                        resident_blocks,
-                        bits,
-                    }
-                )
-            ),
+            .prop_map(|(version, (n, bits), resident_blocks)| {
+                SidecarMessage::CacheSnapshot(CacheSnapshot {
+                    version,
+                    params: FilterParams { num_blocks: n },
+                    resident_blocks,
+                    bits,
+                })
+            }),
         (
-            any::<u64>(),
+            0..u64::MAX,
             any::<u64>(),
             sorted_unique(u32::MAX),
             any::<Option<u32>>()
@@ -141,7 +141,7 @@ fn sidecar_message() -> impl Strategy<Value = SidecarMessage> {
             .prop_map(|(b, r, toggles, age_ms)| {
                 SidecarMessage::CacheDelta(CacheDelta {
                     base_version: b,
-                    version: b.wrapping_add(1),
+                    version: b + 1,
                     resident_blocks: r,
                     toggles,
                     age_ms,
@@ -150,7 +150,7 @@ fn sidecar_message() -> impl Strategy<Value = SidecarMessage> {
         (
             text(),
             text(),
-            any::<u64>(),
+            0..MAX_TOKENIZER_BYTES - 64,
             any::<bool>(),
             vec(any::<u8>(), 0..64)
         )

@@ -41,6 +41,8 @@ pub struct RouterConfig {
     pub scheduler: SchedulerConfig,
     pub timeouts: Timeouts,
     pub limits: Limits,
+    /// Which pod URLs sidecars may advertise.
+    pub pods: PodsConfig,
     /// Local tokenizer folders per model name (a `tokenizer.json`, usually with a
     /// `tokenizer_config.json`); models not listed get their tokenizer from a sidecar.
     pub tokenizers: BTreeMap<String, PathBuf>,
@@ -206,6 +208,14 @@ pub struct Timeouts {
     pub request_seconds: f64,
     /// Connecting to a pod. Default 2 s.
     pub connect_seconds: f64,
+    /// A client's request line and headers must arrive within this many seconds, or the
+    /// connection is closed (slow-header clients hold a connection each). The same clock closes a
+    /// keep-alive connection idle this long between requests. Default 30 s.
+    pub header_read_seconds: f64,
+    /// A request's whole body must arrive within this many seconds, or the answer is 408 and the
+    /// connection closes (a trickling body holds a connection and a buffer). Default 60 s: a
+    /// 32 MiB body at 1 MB/s with room to spare.
+    pub body_read_seconds: f64,
 }
 
 impl Default for Timeouts {
@@ -213,6 +223,8 @@ impl Default for Timeouts {
         Timeouts {
             request_seconds: 3600.0,
             connect_seconds: 2.0,
+            header_read_seconds: 30.0,
+            body_read_seconds: 60.0,
         }
     }
 }
@@ -224,22 +236,66 @@ impl Timeouts {
     pub fn connect(&self) -> Duration {
         Duration::from_secs_f64(self.connect_seconds)
     }
+    pub fn header_read(&self) -> Duration {
+        Duration::from_secs_f64(self.header_read_seconds)
+    }
+    pub fn body_read(&self) -> Duration {
+        Duration::from_secs_f64(self.body_read_seconds)
+    }
 }
 
-/// Request limits.
+/// Bounds on everything a client controls; each refusal is counted in
+/// `kvsight_router_refused_total{reason}` (README, "Reliability / limits").
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Limits {
-    /// Largest request body in bytes. Default 32 MiB (room for base64 images).
+    /// Largest request body in bytes; a larger declared `Content-Length` is refused (413) before
+    /// any of the body is read. Default 32 MiB (room for base64 images).
     pub body_bytes: usize,
+    /// Largest request head (request line and headers) in bytes; over it the answer is 431.
+    /// Default 64 KiB; at least 8192 (hyper's smallest read buffer).
+    pub header_bytes: usize,
+    /// Most headers in one request; over it the answer is 431. Default 100.
+    pub headers: usize,
+    /// Deepest nesting of JSON arrays and objects in a body, checked before parsing. Default 64;
+    /// at most 100 (serde_json refuses past 128 on its own).
+    pub json_depth: usize,
+    /// Most `messages` in a chat request. Default 4096.
+    pub chat_messages: usize,
+    /// Most bytes of prompt text (`prompt` strings, the text in `messages`) before tokenizing;
+    /// images and audio do not count. Default 8 MiB (above any context window of text).
+    pub prompt_bytes: usize,
+    /// Most client connections open at once on this replica; a connection over it is answered
+    /// 503 with `Retry-After` and closed. Default 4096.
+    pub connections: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
         Limits {
             body_bytes: 32 << 20,
+            header_bytes: 64 << 10,
+            headers: 100,
+            json_depth: 64,
+            chat_messages: 4096,
+            prompt_bytes: 8 << 20,
+            connections: 4096,
         }
     }
+}
+
+/// Which base URL a sidecar may advertise for its pod. A sidecar's certificate proves it is a
+/// sidecar, not where its pod is: without this check, one stolen certificate could point a pod
+/// entry at any host and receive (or redirect) the prompts routed to it.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct PodsConfig {
+    /// Accept any advertised URL (the pre-issue-13 behaviour). Default false: the URL's host
+    /// must be (or resolve to) the IP address the sidecar's QUIC connection comes from.
+    pub trust_advertised_url: bool,
+    /// Hosts accepted in advertised URLs whatever the connection's address (exact names or IP
+    /// literals), for setups where a sidecar reaches routers through NAT. Default empty.
+    pub allow_advertised_hosts: Vec<String>,
 }
 
 impl RouterConfig {
@@ -354,8 +410,29 @@ impl RouterConfig {
         )?;
         positive_secs("timeouts.requestSeconds", self.timeouts.request_seconds)?;
         positive_secs("timeouts.connectSeconds", self.timeouts.connect_seconds)?;
-        if self.limits.body_bytes == 0 {
-            return Err(invalid("limits.bodyBytes", "must be positive"));
+        positive_secs(
+            "timeouts.headerReadSeconds",
+            self.timeouts.header_read_seconds,
+        )?;
+        positive_secs("timeouts.bodyReadSeconds", self.timeouts.body_read_seconds)?;
+        let l = &self.limits;
+        for (field, v, min, max) in [
+            ("limits.bodyBytes", l.body_bytes, 1, usize::MAX),
+            ("limits.headerBytes", l.header_bytes, 8192, usize::MAX),
+            ("limits.headers", l.headers, 1, usize::MAX),
+            ("limits.jsonDepth", l.json_depth, 1, 100),
+            ("limits.chatMessages", l.chat_messages, 1, usize::MAX),
+            ("limits.promptBytes", l.prompt_bytes, 1, usize::MAX),
+            ("limits.connections", l.connections, 1, usize::MAX),
+        ] {
+            if !(min..=max).contains(&v) {
+                let range = if max == usize::MAX {
+                    format!("at least {min}")
+                } else {
+                    format!("in {min} ..= {max}")
+                };
+                return Err(invalid(field, format!("must be {range}, got {v}")));
+            }
         }
         Ok(())
     }

@@ -13,6 +13,16 @@ use serde_json::json;
 pub enum ApiError {
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(Duration),
+    #[error("the request body nests JSON arrays and objects deeper than {limit} levels")]
+    TooDeep { limit: usize },
+    #[error("the request has {count} messages; this router accepts at most {limit}")]
+    TooManyMessages { count: usize, limit: usize },
+    #[error("the prompt text is {bytes} bytes; this router accepts at most {limit}")]
+    PromptTooLarge { bytes: usize, limit: usize },
+    #[error("this router has {limit} connections open; retry shortly")]
+    TooManyConnections { limit: usize },
     #[error("{0}")]
     BadRequest(String),
     #[error("{message}")]
@@ -41,9 +51,16 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::BadRequest(_) | ApiError::BadParam { .. } => StatusCode::BAD_REQUEST,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::BadRequest(_)
+            | ApiError::BadParam { .. }
+            | ApiError::TooDeep { .. }
+            | ApiError::TooManyMessages { .. }
+            | ApiError::PromptTooLarge { .. } => StatusCode::BAD_REQUEST,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::NoReadyPod(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NoReadyPod(_)
+            | ApiError::ShuttingDown
+            | ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
         }
@@ -53,8 +70,24 @@ impl ApiError {
         match self {
             ApiError::UnknownModel(_) => Some("model"),
             ApiError::BadParam { param, .. } => Some(param),
+            ApiError::TooManyMessages { .. } => Some("messages"),
+            ApiError::PromptTooLarge { .. } => Some("prompt"),
             _ => None,
         }
+    }
+
+    /// The `reason` label of `kvsight_router_refused_total` when this error is a client bound
+    /// being enforced, `None` for every other error.
+    pub fn refusal(&self) -> Option<&'static str> {
+        Some(match self {
+            ApiError::BodyTooLarge { .. } => "body_bytes",
+            ApiError::BodyTimeout(_) => "body_read_time",
+            ApiError::TooDeep { .. } => "json_depth",
+            ApiError::TooManyMessages { .. } => "chat_messages",
+            ApiError::PromptTooLarge { .. } => "prompt_bytes",
+            ApiError::TooManyConnections { .. } => "connections",
+            _ => return None,
+        })
     }
 
     /// The `{"error":{…}}` object, also used for the SSE event that ends a cut stream.
@@ -68,6 +101,7 @@ pub fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> ser
     let kind = match status.as_u16() {
         400 => "BadRequestError",
         404 => "NotFoundError",
+        408 => "RequestTimeoutError",
         413 => "RequestEntityTooLarge",
         502 => "BadGatewayError",
         503 => "ServiceUnavailableError",
@@ -81,7 +115,20 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         let mut resp = (status, axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::NoReadyPod(_) | ApiError::ShuttingDown) {
+        if matches!(
+            self,
+            ApiError::BodyTooLarge { .. }
+                | ApiError::BodyTimeout(_)
+                | ApiError::TooManyConnections { .. }
+        ) {
+            // The rest of the body (or the connection) is not worth reading: close it.
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if matches!(
+            self,
+            ApiError::NoReadyPod(_) | ApiError::ShuttingDown | ApiError::TooManyConnections { .. }
+        ) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
         }

@@ -188,8 +188,7 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
 async fn tokenize(AxState(state): S, req: Request) -> Result<Response, ApiError> {
     let live = state.live();
     let (parts, body) = req.into_parts();
-    let bytes = proxy::read_body(body, live.config.limits.body_bytes).await?;
-    let (json, model) = proxy::parse_body(&bytes)?;
+    let (bytes, json, model) = proxy::read_request(&state, &live, &parts.headers, body).await?;
     let now = Instant::now();
     let target = {
         let reg = state.registry();

@@ -14,6 +14,7 @@ pub mod proxy;
 pub mod quic;
 pub mod reload;
 pub mod scheduler;
+pub mod server;
 pub mod sight;
 pub mod state;
 pub mod tokenize;
@@ -23,7 +24,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -159,14 +159,13 @@ pub async fn serve(
     let check_task = tokio::spawn(tokenizer_check::run(state.clone(), watch_stop.clone()));
 
     let http_stop = CancellationToken::new();
-    // Streams are many small writes: without TCP_NODELAY, Nagle + the client's delayed ACK add
-    // ~40 ms to every SSE answer.
-    let http = listeners.http.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let server = axum::serve(http, app(state.clone()))
-        .with_graceful_shutdown(http_stop.clone().cancelled_owned());
-    let mut server = std::pin::pin!(server.into_future());
+    let server = server::serve(
+        listeners.http,
+        app(state.clone()),
+        state.clone(),
+        http_stop.clone(),
+    );
+    let mut server = std::pin::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::Http),
         _ = shutdown.cancelled() => Ok(()),

@@ -49,6 +49,9 @@ pub struct Metrics {
     sidecars_refused: Family<Labels, Counter>,
     pub retries: Family<Labels, Counter>,
     pub stream_cuts: Family<Labels, Counter>,
+    /// Requests and connections refused by a client bound (`limits.*`, `timeouts.*Read*`), and
+    /// sidecars refused for their advertised URL, by reason.
+    pub refused: Family<Labels, Counter>,
     pub config_reloads: Family<Labels, Counter>,
     /// Looks at changed TLS files, by outcome (applied, unchanged, rejected).
     pub tls_reloads: Family<Labels, Counter>,
@@ -97,6 +100,7 @@ impl Metrics {
             sidecars_refused: Family::default(),
             retries: Family::default(),
             stream_cuts: Family::default(),
+            refused: Family::default(),
             config_reloads: Family::default(),
             tls_reloads: Family::default(),
             prefix_mode: Family::default(),
@@ -167,7 +171,8 @@ impl Metrics {
         prom.register(
             "kvsight_router_sidecars_refused",
             "Sidecar connections refused, by reason (handshake: TLS or certificate name, \
-             version: protocol version mismatch, protocol: no Hello)",
+             version: protocol version mismatch, protocol: no Hello or a malformed frame, \
+             advertised_url: a pod URL that is not the peer's own address)",
             m.sidecars_refused.clone(),
         );
         prom.register(
@@ -179,6 +184,13 @@ impl Metrics {
             "kvsight_router_stream_cuts",
             "Streams ended with an SSE error event, by reason (deadline, upstream)",
             m.stream_cuts.clone(),
+        );
+        prom.register(
+            "kvsight_router_refused",
+            "Refusals by reason: body_bytes, body_read_time, header_read_time, header_bytes \
+             (size or count of the request head), json_depth, chat_messages, prompt_bytes, \
+             connections. Sidecars refused are in kvsight_router_sidecars_refused",
+            m.refused.clone(),
         );
         prom.register(
             "kvsight_router_config_reloads",
@@ -272,6 +284,12 @@ impl Metrics {
 
     pub fn cut(&self, reason: &'static str) {
         self.stream_cuts
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        self.refused
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
     }

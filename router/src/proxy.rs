@@ -21,6 +21,8 @@ use tokio::time::{Instant as TokioInstant, sleep_until, timeout, timeout_at};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{Instrument, field, info_span, warn};
 
+use kvsight_protocol::openai::optional_bool;
+
 use crate::config::PoolConfig;
 use crate::error::{ApiError, error_body};
 use crate::scheduler::{Decision, PickError, PickRequest, PromptHashes, Scheduler};
@@ -95,6 +97,121 @@ pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
             ApiError::BadRequest(format!("could not read the request body: {inner}"))
         }
     })
+}
+
+/// Reads a generation or `/tokenize` body under the live limits and parses it: a declared
+/// `Content-Length` over `limits.bodyBytes` is refused before any byte is read, the body must
+/// arrive within `timeouts.bodyReadSeconds`, and nesting, chat messages and prompt text are
+/// bounded before tokenizing. Every refusal is counted by reason and logged.
+pub async fn read_request(
+    state: &State,
+    live: &Live,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Bytes, Value, String), ApiError> {
+    let result = read_checked(live, headers, body).await;
+    if let Err(e) = &result
+        && let Some(reason) = e.refusal()
+    {
+        state.metrics.refused(reason);
+        warn!(reason, error = %e, "request refused");
+    }
+    result
+}
+
+async fn read_checked(
+    live: &Live,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Bytes, Value, String), ApiError> {
+    let limits = &live.config.limits;
+    let limit = limits.body_bytes;
+    // hyper has already refused a malformed or repeated Content-Length (400), so one value is
+    // left; one that does not parse as a number cannot be over the limit.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    let read_time = live.config.timeouts.body_read();
+    let bytes = timeout(read_time, read_body(body, limit))
+        .await
+        .map_err(|_| ApiError::BodyTimeout(read_time))??;
+    if json_deeper_than(&bytes, limits.json_depth) {
+        return Err(ApiError::TooDeep {
+            limit: limits.json_depth,
+        });
+    }
+    let (json, model) = parse_body(&bytes)?;
+    if let Some(Value::Array(messages)) = json.get("messages")
+        && messages.len() > limits.chat_messages
+    {
+        return Err(ApiError::TooManyMessages {
+            count: messages.len(),
+            limit: limits.chat_messages,
+        });
+    }
+    let text = ["prompt", "messages"]
+        .iter()
+        .filter_map(|k| json.get(*k))
+        .map(text_bytes)
+        .sum::<usize>();
+    if text > limits.prompt_bytes {
+        return Err(ApiError::PromptTooLarge {
+            bytes: text,
+            limit: limits.prompt_bytes,
+        });
+    }
+    Ok((bytes, json, model))
+}
+
+/// Whether JSON text nests arrays and objects deeper than `limit`, by one pass over the bytes
+/// (brackets inside strings do not count), so a hostile body never reaches the recursive parser.
+pub fn json_deeper_than(bytes: &[u8], limit: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// Keys of chat content parts whose strings are media (base64 images, audio, video), not text
+/// the tokenizer reads.
+const MEDIA_KEYS: [&str; 5] = ["image_url", "input_audio", "audio_url", "video_url", "file"];
+
+/// Bytes of text in a `prompt` or `messages` value: every string, except media payloads.
+fn text_bytes(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(items) => items.iter().map(text_bytes).sum(),
+        Value::Object(fields) => fields
+            .iter()
+            .filter(|(k, _)| !MEDIA_KEYS.contains(&k.as_str()))
+            .map(|(_, v)| text_bytes(v))
+            .sum(),
+        _ => 0,
+    }
 }
 
 /// Parses a JSON object body and its `model`.
@@ -174,10 +291,18 @@ async fn forward(
     if state.is_draining() {
         return Err(no_pool(ApiError::ShuttingDown));
     }
-    let bytes = read_body(body, live.config.limits.body_bytes)
+    let (bytes, json, model) = read_request(state, &live, in_headers, body)
         .await
         .map_err(no_pool)?;
-    let (json, model) = parse_body(&bytes).map_err(no_pool)?;
+    // Read as vLLM will read it, and refused here as vLLM would refuse it (before a pod is
+    // picked and charged with the request). The answer's content type, not this flag, decides
+    // how a cut stream ends: the pod's answer is the truth.
+    optional_bool(&json, "stream", false)
+        .map_err(|e| ApiError::BadParam {
+            message: e.validation_message("stream"),
+            param: "body.stream",
+        })
+        .map_err(no_pool)?;
     let mut pool = live.config.pool_for(&model);
     if pool.is_none() && !state.registry().pods().any(|p| p.serves(&model)) {
         return Err(no_pool(ApiError::UnknownModel(model)));

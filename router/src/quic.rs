@@ -5,6 +5,7 @@
 //! this router reports its in-flight count for the pod. A malformed frame closes that connection
 //! only; the pod is unregistered whenever its connection ends.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +22,7 @@ use kvsight_protocol::{
 };
 use kvsight_transport::{FramedRecv, FramedSend, TransportError};
 
+use crate::config::PodsConfig;
 use crate::pods::RegistryError;
 use crate::state::State;
 
@@ -87,11 +89,11 @@ async fn connection(
         Ok(Ok(Some(SidecarMessage::Hello(h)))) if h.protocol_version == PROTOCOL_VERSION => h,
         Ok(Ok(Some(SidecarMessage::Hello(h)))) => {
             state.metrics.sidecar_refused("version");
-            return refuse(&conn, &mut send, h.protocol_version).await;
+            return refuse_version(&conn, &mut send, h.protocol_version).await;
         }
         Ok(Err(TransportError::Frame(FrameError::VersionMismatch { theirs, .. }))) => {
             state.metrics.sidecar_refused("version");
-            return refuse(&conn, &mut send, theirs).await;
+            return refuse_version(&conn, &mut send, theirs).await;
         }
         Ok(Ok(None)) => return Ok(()),
         Ok(Err(e)) => {
@@ -105,6 +107,14 @@ async fn connection(
             return Ok(());
         }
     };
+    let peer = conn.remote_address().ip();
+    let pods = state.live().config.pods.clone();
+    if let Err(e) = check_advertised_url(&pods, &hello.pod.url, peer).await {
+        state.metrics.sidecar_refused("advertised_url");
+        let reason = format!("advertised pod URL refused: {e}");
+        warn!(pod = %hello.pod.name, url = %hello.pod.url, %peer, %reason, "refusing sidecar");
+        return refuse(&conn, &mut send, reason, CloseReason::ProtocolViolation).await;
+    }
     send.send(&RouterMessage::Welcome(Welcome {
         protocol_version: PROTOCOL_VERSION,
         router_id: state.router_id.clone(),
@@ -126,7 +136,7 @@ async fn connection(
     result
 }
 
-async fn refuse(
+async fn refuse_version(
     conn: &quinn::Connection,
     send: &mut FramedSend,
     theirs: u16,
@@ -135,6 +145,16 @@ async fn refuse(
         "protocol version mismatch: this router speaks version {PROTOCOL_VERSION}, the sidecar speaks version {theirs}"
     );
     warn!(%reason, "refusing sidecar");
+    refuse(conn, send, reason, CloseReason::VersionMismatch).await
+}
+
+/// Sends `Refused` naming why, lets it leave, and closes with `code`.
+async fn refuse(
+    conn: &quinn::Connection,
+    send: &mut FramedSend,
+    reason: String,
+    code: CloseReason,
+) -> Result<(), TransportError> {
     send.send(&RouterMessage::Refused(Refused {
         protocol_version: PROTOCOL_VERSION,
         reason: reason.clone(),
@@ -143,8 +163,83 @@ async fn refuse(
     let _ = send.finish();
     // Give the Refused frame a moment to leave before the close discards the stream.
     let _ = timeout(Duration::from_secs(1), conn.closed()).await;
-    close(conn, CloseReason::VersionMismatch, &reason);
+    close(conn, code, &reason);
     Ok(())
+}
+
+/// Bound on resolving a host name a sidecar advertises.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why an advertised pod URL was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum AdvertisedUrlError {
+    #[error("{0:?} is not an http(s) URL with a host")]
+    Unparsable(String),
+    #[error("host {host} is not this connection's address {peer}")]
+    OtherHost { host: String, peer: IpAddr },
+    #[error("host {host} did not resolve: {message}")]
+    Unresolved { host: String, message: String },
+}
+
+/// A sidecar's certificate proves it is a sidecar, not where its pod is: the URL it advertises
+/// must name the address its connection comes from (an IP literal, or a name resolving to it),
+/// unless `pods.trustAdvertisedUrl` is set or the host is in `pods.allowAdvertisedHosts`.
+/// Otherwise one stolen certificate could point a pod entry at any host and have prompts sent
+/// there.
+pub async fn check_advertised_url(
+    pods: &PodsConfig,
+    url: &str,
+    peer: IpAddr,
+) -> Result<(), AdvertisedUrlError> {
+    if pods.trust_advertised_url {
+        return Ok(());
+    }
+    let unparsable = || AdvertisedUrlError::Unparsable(url.to_owned());
+    let parsed = reqwest::Url::parse(url).map_err(|_| unparsable())?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(unparsable());
+    }
+    // IPv6 literals come bracketed; anything that is not an IP literal is a name.
+    let name = parsed
+        .host_str()
+        .ok_or_else(unparsable)?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let allowed = |h: &String| {
+        h.trim_start_matches('[')
+            .trim_end_matches(']')
+            .eq_ignore_ascii_case(&name)
+    };
+    if pods.allow_advertised_hosts.iter().any(allowed) {
+        return Ok(());
+    }
+    // A dual-stack socket shows an IPv4 peer as ::ffff:a.b.c.d.
+    let peer = peer.to_canonical();
+    let resolved: Vec<IpAddr> = match name.parse::<IpAddr>() {
+        Ok(ip) => vec![ip.to_canonical()],
+        Err(_) => {
+            let port = parsed.port_or_known_default().unwrap_or(80);
+            let unresolved = |message: String| AdvertisedUrlError::Unresolved {
+                host: name.clone(),
+                message,
+            };
+            timeout(
+                RESOLVE_TIMEOUT,
+                tokio::net::lookup_host((name.as_str(), port)),
+            )
+            .await
+            .map_err(|_| unresolved(format!("no answer within {RESOLVE_TIMEOUT:?}")))?
+            .map_err(|e| unresolved(e.to_string()))?
+            .map(|a| a.ip().to_canonical())
+            .collect()
+        }
+    };
+    if resolved.contains(&peer) {
+        Ok(())
+    } else {
+        Err(AdvertisedUrlError::OtherHost { host: name, peer })
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -46,11 +46,20 @@ async fn start_run(
     tls_files: Option<TlsFiles>,
     tokenizer_loader: Option<kvsight_router::tokenize::TokenizerLoader>,
 ) -> Running {
+    start_config(tls, tls_files, tokenizer_loader, RouterConfig::default()).await
+}
+
+async fn start_config(
+    tls: TlsMaterial,
+    tls_files: Option<TlsFiles>,
+    tokenizer_loader: Option<kvsight_router::tokenize::TokenizerLoader>,
+    config: RouterConfig,
+) -> Running {
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let quic = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let (http_addr, quic_addr) = (http.local_addr().unwrap(), quic.local_addr().unwrap());
     let cfg = RunConfig {
-        config: RouterConfig::default(),
+        config,
         config_path: None,
         tls,
         tls_files,
@@ -474,6 +483,145 @@ async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
         st.tokenizers.has(MODEL, Some(&digest))
     })
     .await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
+
+/// The closing code of a connection the router closed.
+async fn close_code(sc: &Sidecar) -> Option<u64> {
+    let err = tokio::time::timeout(Duration::from_secs(5), sc.conn.closed())
+        .await
+        .expect("the router closes the connection within 5 s");
+    match err {
+        quinn::ConnectionError::ApplicationClosed(c) => Some(c.error_code.into_inner()),
+        other => panic!("closed by {other:?}"),
+    }
+}
+
+/// Issue 13: a `Load` with a NaN KV use decoded and sat in the registry, where every threshold
+/// comparison with it is false (never saturated). Now the decoder refuses it: that one
+/// connection is closed as a protocol violation, its pod leaves, and the router and the other
+/// pods carry on.
+#[tokio::test]
+async fn a_load_with_nan_kv_usage_closes_that_connection_only() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let r = start(&ca).await;
+    let tls = ca.material("pod", &["pod"]).unwrap();
+    let mut good = connect(&tls, r.quic).await.unwrap();
+    good.register("good").await;
+    let mut bad = connect(&tls, r.quic).await.unwrap();
+    bad.register("bad").await;
+    let st = r.state.clone();
+    eventually("both registered", || st.registry().len() == 2).await;
+
+    bad.send
+        .send(&SidecarMessage::Load(Load {
+            kv_usage: f32::NAN,
+            ..load(Phase::Ready, 0, 0)
+        }))
+        .await
+        .unwrap();
+    assert_eq!(
+        close_code(&bad).await,
+        Some(CloseReason::ProtocolViolation.code().into())
+    );
+    eventually("the bad pod leaves", || {
+        st.registry().get("ns/bad").is_none()
+    })
+    .await;
+
+    // The other connection still works: its next report is applied.
+    good.send
+        .send(&SidecarMessage::Load(load(Phase::Ready, 3, 0)))
+        .await
+        .unwrap();
+    eventually("the good pod's report", || {
+        st.registry()
+            .get("ns/good")
+            .and_then(|p| p.load.as_ref().map(|l| l.load.running))
+            == Some(3)
+    })
+    .await;
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+}
+
+/// A valid certificate proves a sidecar, not where its pod is: a Hello advertising another
+/// host than the connection's address (peer 127.0.0.1, URL on 127.0.0.2 — both loopback) is
+/// refused, counted and never registered, unless the config allows that host.
+#[tokio::test]
+async fn a_sidecar_advertising_another_host_than_its_own_is_refused() {
+    let ca = DevCa::new("kvsight-test-ca").unwrap();
+    let router_tls = ca.material("router", &["kvsight-router"]).unwrap();
+    let r = start_run(router_tls, None, None).await;
+    let tls = ca.material("pod", &["pod"]).unwrap();
+    for url in [
+        "http://127.0.0.2:8000",
+        "http://[::2]:8000",
+        "not a url",
+        "file:///etc/passwd",
+    ] {
+        let mut sc = connect(&tls, r.quic).await.unwrap();
+        let hello = Hello {
+            pod: PodIdentity {
+                url: url.into(),
+                ..fast_hello("thief").pod
+            },
+            ..fast_hello("thief")
+        };
+        sc.send.send(&SidecarMessage::Hello(hello)).await.unwrap();
+        match sc.next().await {
+            RouterMessage::Refused(why) => {
+                assert!(why.reason.contains("advertised pod URL"), "{}", why.reason)
+            }
+            m => panic!("{url}: expected Refused, got {m:?}"),
+        }
+        assert_eq!(
+            close_code(&sc).await,
+            Some(CloseReason::ProtocolViolation.code().into())
+        );
+    }
+    assert!(r.state.registry().is_empty());
+    let metrics = r
+        .state
+        .metrics
+        .render(&r.state.registry(), &[], std::time::Instant::now());
+    assert!(
+        metrics.contains("kvsight_router_sidecars_refused_total{reason=\"advertised_url\"} 4"),
+        "{metrics}"
+    );
+    // Its own address, by IP or by a name resolving to it, is welcome.
+    for url in ["http://127.0.0.1:8000", "http://localhost:8000"] {
+        let mut sc = connect(&tls, r.quic).await.unwrap();
+        let hello = Hello {
+            pod: PodIdentity {
+                url: url.into(),
+                ..fast_hello("own").pod
+            },
+            ..fast_hello("own")
+        };
+        sc.send.send(&SidecarMessage::Hello(hello)).await.unwrap();
+        let m = sc.next().await;
+        assert!(matches!(m, RouterMessage::Welcome(_)), "{url}: {m:?}");
+    }
+    r.shutdown.cancel();
+    r.task.await.unwrap().unwrap();
+
+    // Allowed explicitly: welcome.
+    let router_tls = ca.material("router", &["kvsight-router"]).unwrap();
+    let config = RouterConfig::from_yaml("pods: {allowAdvertisedHosts: [127.0.0.2]}").unwrap();
+    let r = start_config(router_tls, None, None, config).await;
+    let mut sc = connect(&tls, r.quic).await.unwrap();
+    let hello = Hello {
+        pod: PodIdentity {
+            url: "http://127.0.0.2:8000".into(),
+            ..fast_hello("nat").pod
+        },
+        ..fast_hello("nat")
+    };
+    sc.send.send(&SidecarMessage::Hello(hello)).await.unwrap();
+    let m = sc.next().await;
+    assert!(matches!(m, RouterMessage::Welcome(_)), "{m:?}");
     r.shutdown.cancel();
     r.task.await.unwrap().unwrap();
 }

@@ -44,7 +44,10 @@ impl PrefillRate {
             }
         }
         self.last = Some((at, tokens, queued));
-        self.rate.map(|r| r as f32)
+        // Routers refuse a report with a rate that is not finite and positive (`Load::validate`).
+        self.rate
+            .map(|r| r as f32)
+            .filter(|r| r.is_finite() && *r > 0.0)
     }
 }
 
@@ -70,7 +73,13 @@ pub fn build_load(
         cache_view: view,
         running: m.running.max(0.0).round() as u32,
         waiting: m.waiting.max(0.0).round() as u32,
-        kv_usage: m.kv_usage.clamp(0.0, 1.0) as f32,
+        // `clamp` keeps a NaN, which routers refuse (`Load::validate`): NaN counts as 0 like
+        // the counts above.
+        kv_usage: if m.kv_usage.is_nan() {
+            0.0
+        } else {
+            m.kv_usage.clamp(0.0, 1.0) as f32
+        },
         unrouted: unrouted(m.running, m.waiting, inflight),
         prefix_cache_queries: m.prefix_cache_queries.max(0.0) as u64,
         prefix_cache_hits: m.prefix_cache_hits.max(0.0) as u64,

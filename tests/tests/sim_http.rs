@@ -233,6 +233,59 @@ async fn errors_match_vllm_bodies() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Issue 13: `"stream": [1]`, `"maybe"` and `1` were all answered 200, unstreamed. vLLM reads
+/// `stream` as pydantic's lax bool: `"yes"` and `1` stream, a list or `"maybe"` is a 400.
+#[tokio::test]
+async fn stream_is_read_as_pydantics_lax_bool() -> anyhow::Result<()> {
+    let p = pod(SimConfig {
+        engine: fast_engine(),
+        ..SimConfig::default()
+    })
+    .await;
+    for (stream, streams) in [
+        (json!("yes"), true),
+        (json!(1), true),
+        (json!("On"), true),
+        (json!("0"), false),
+        (json!(null), false),
+        (json!("no"), false),
+    ] {
+        let r = post_json(
+            p.http_addr(),
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 1, "stream": stream}),
+        )
+        .await?;
+        assert_eq!(r.status, 200, "stream {stream}");
+        assert_eq!(
+            r.text().starts_with("data: "),
+            streams,
+            "stream {stream}: {}",
+            r.text()
+        );
+    }
+    for (stream, kind) in [
+        (json!([1]), "bool_type"),
+        (json!("maybe"), "bool_parsing"),
+        (json!(2), "bool_parsing"),
+        (json!(1.5), "bool_parsing"),
+    ] {
+        let r = post_json(
+            p.http_addr(),
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 1, "stream": stream}),
+        )
+        .await?;
+        assert_eq!(r.status, 400, "stream {stream}");
+        let e = r.json()?;
+        assert_eq!(e["error"]["code"], 400);
+        assert_eq!(e["error"]["param"], "body.stream");
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(kind) && msg.contains("body.stream"), "{msg}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn sse_framing_matches_vllm() -> anyhow::Result<()> {
     let p = pod(details_config()).await;

@@ -872,13 +872,15 @@ pub async fn post_json(
     })
 }
 
-/// A folder under the system temp dir, removed on drop.
+/// A folder under the system temp dir, removed on drop. A killed test process never drops it,
+/// so creating one first removes the folders of processes that no longer run.
 struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(prefix: &str) -> Result<TempDir, ClusterError> {
         use std::sync::atomic::{AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        sweep_stale(&std::env::temp_dir(), prefix);
         let dir = std::env::temp_dir().join(format!(
             "kvsight-{prefix}-{}-{}",
             std::process::id(),
@@ -896,5 +898,56 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Removes `kvsight-{prefix}-{pid}-{n}` folders in `tmp` whose process is gone. Only where
+/// `/proc` says which processes run; a reused pid keeps its folder until that process ends too.
+fn sweep_stale(tmp: &Path, prefix: &str) {
+    let proc_fs = Path::new("/proc/self");
+    if !proc_fs.exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    let lead = format!("kvsight-{prefix}-");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&lead))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, n)| n.parse::<u64>().is_ok().then_some(pid))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn folders_of_dead_processes_are_swept_and_live_ones_kept() {
+        let tmp = std::env::temp_dir().join(format!("kvsight-sweep-test-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        // No process has pid 4_000_000_000 (Linux pids stop at 2^22).
+        let dead = tmp.join("kvsight-cluster-4000000000-0");
+        let live = tmp.join(format!("kvsight-cluster-{}-7", std::process::id()));
+        let other = tmp.join("kvsight-cluster-notes");
+        for d in [&dead, &live, &other] {
+            std::fs::create_dir_all(d.join("sub")).unwrap();
+        }
+        sweep_stale(&tmp, "cluster");
+        let linux = Path::new("/proc/self").exists();
+        assert_eq!(dead.exists(), !linux);
+        assert!(live.exists() && other.exists());
+        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }

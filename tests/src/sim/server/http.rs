@@ -15,6 +15,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kvsight_protocol::openai::optional_bool;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
@@ -258,21 +259,25 @@ fn gen_params(body: &Value, chat: bool) -> Result<GenParams, ApiError> {
             Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         },
     };
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage = stream
-        && body
-            .pointer("/stream_options/include_usage")
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+    // Booleans as vLLM's pydantic models read them: `"yes"` streams, `"maybe"` is a 400.
+    let flag = |obj: &Value, field: &str, loc: &str| {
+        optional_bool(obj, field, false).map_err(|e| {
+            ApiError::validation(e.validation_message(loc), Some(&format!("body.{loc}")))
+        })
+    };
+    let stream = flag(body, "stream", "stream")?;
+    let include_usage = match body.get("stream_options") {
+        Some(opts) if opts.is_object() => {
+            flag(opts, "include_usage", "stream_options.include_usage")?
+        }
+        _ => false,
+    } && stream;
     Ok(GenParams {
         max_tokens,
         stream,
         include_usage,
         cache_salt: openai::validate_cache_salt(body.get("cache_salt"))?,
-        ignore_eos: body
-            .get("ignore_eos")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        ignore_eos: flag(body, "ignore_eos", "ignore_eos")?,
     })
 }
 
