@@ -103,7 +103,7 @@ impl Default for Weights {
             prefix: 3.0,
             queue: 1.0,
             kv_cache: 1.0,
-            running_requests: 1.0,
+            running_requests: 2.0,
             lora_affinity: 1.0,
             predicted_latency: 0.0,
             lmetric: 0.0,

@@ -201,7 +201,11 @@ fn a_busy_pod_is_skipped_only_when_a_sibling_starts_the_request_sooner() {
     assert_eq!(d.predicted_cached_tokens, 0);
 
     // Pod-0 has served this prompt (the router knows its requests there need little prefill):
-    // the same five waiting requests are 5 × 16 tokens, far less than 2000: kept, and it wins.
+    // the same five waiting requests are 5 × 16 tokens, far less than 2000: not skipped, it
+    // competes. The scorers then decide; every slot taken and five waiting against idle
+    // siblings outweighs the prefix at the default weights (the wait for a slot is decode time,
+    // which the prefill backlog does not count); with no queue it keeps it (the
+    // first case above).
     let mut c = Cluster::new(3, true);
     c.holds(0, &chain);
     for _ in 0..3 {
@@ -209,7 +213,12 @@ fn a_busy_pod_is_skipped_only_when_a_sibling_starts_the_request_sooner() {
         c.settle();
     }
     c.report(0, load(8, 5, 0.1));
-    assert_eq!(c.pick(&s, &p).unwrap(), "ns/pod-0");
+    let d = {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_eq!(d.saturation_skipped, 0, "pod-0 starts it soonest: {d:?}");
+    assert!(!d.all_saturated);
 }
 
 #[test]

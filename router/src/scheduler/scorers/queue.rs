@@ -1,4 +1,4 @@
-use super::lower_is_better;
+use super::lighter_share;
 use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// Fewer waiting requests (projected: reported plus what this router sent since) is better.
@@ -14,6 +14,6 @@ impl Scorer for Queue {
     }
 
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
-        lower_is_better(cands, |c| f64::from(c.projection.waiting), out);
+        lighter_share(cands, |c| f64::from(c.projection.waiting), out);
     }
 }

@@ -1,4 +1,4 @@
-use super::lower_is_better;
+use super::lighter_share;
 use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
 /// Fewer running requests (projected) is better: vLLM's own count, so load that bypassed every
@@ -15,6 +15,6 @@ impl Scorer for RunningRequests {
     }
 
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
-        lower_is_better(cands, |c| f64::from(c.projection.running), out);
+        lighter_share(cands, |c| f64::from(c.projection.running), out);
     }
 }
