@@ -31,7 +31,9 @@ pub async fn exec_load(
     prompt_tokens: u32,
     output: u32,
 ) {
-    let mut tasks = Vec::new();
+    // A JoinSet, so that aborting this task (the run is over) drops every request: the pod
+    // aborts them and the next run starts on an idle pod instead of waiting for them.
+    let mut tasks = tokio::task::JoinSet::new();
     for i in 0..n {
         // Unique prompts: a benchmark's own, sharing nothing with the tenants.
         let prompt = format!("Benchmark run {i}. ")
@@ -41,7 +43,7 @@ pub async fn exec_load(
         });
         let http = http.clone();
         let url = format!("{url}/v1/completions");
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             let _ = http
                 .post(url)
                 .header("content-type", "application/json")
@@ -49,11 +51,9 @@ pub async fn exec_load(
                 .send()
                 .await
                 .and_then(|r| r.error_for_status());
-        }));
+        });
     }
-    for t in tasks {
-        let _ = t.await;
-    }
+    while tasks.join_next().await.is_some() {}
 }
 
 /// A cold pod started mid-run, and how the router under test was told.

@@ -302,6 +302,17 @@ struct Submitted {
     state: AppState,
 }
 
+/// A request whose client went away is aborted, as vLLM does for streamed and non-streamed
+/// answers alike: a dropped handler (hyper drops it when the connection closes) must not leave
+/// its generation running. Aborting a request that already finished is a no-op in the engine.
+impl Drop for Submitted {
+    fn drop(&mut self) {
+        for id in self.index.keys() {
+            let _ = self.state.inner.commands.send(Command::Abort(id.clone()));
+        }
+    }
+}
+
 fn submit(
     state: &AppState,
     prefix: &str,
