@@ -260,6 +260,7 @@ async fn every_dashboard_metric_is_exported() {
     r.tokenizer_check(MODEL, "agrees");
     r.sight("pod", 16, 16);
     r.sidecar_refused("version");
+    r.refused("body_bytes");
     let s = &pod.sidecar().shared.metrics;
     s.count_event("BlockStored");
     s.count_replay("recovered");
