@@ -305,7 +305,25 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         let before = files_in(&artifacts);
         println!("==> cargo fuzz run {target} for {seconds} s");
         let t = Instant::now();
-        let mut child = Command::new(cargo())
+        let mut cmd = Command::new(cargo());
+        // `cargo run` gave this process xtask's package variables; ring's build script watches
+        // some of them, so cargo-fuzz run from here and from a shell would rebuild each other's
+        // ring and everything above it (minutes per switch).
+        for (key, _) in std::env::vars_os() {
+            if key.to_str().is_some_and(|k| {
+                k.starts_with("CARGO_PKG_")
+                    || k.starts_with("CARGO_MANIFEST_")
+                    || [
+                        "CARGO_CRATE_NAME",
+                        "CARGO_BIN_NAME",
+                        "CARGO_PRIMARY_PACKAGE",
+                    ]
+                    .contains(&k)
+            }) {
+                cmd.env_remove(key);
+            }
+        }
+        let mut child = cmd
             .args(["fuzz", "run", "--sanitizer", "none", "--fuzz-dir"])
             .arg(&dir)
             .arg(target)
