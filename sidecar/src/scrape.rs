@@ -117,6 +117,9 @@ pub fn samples(text: &str) -> Result<Vec<Sample<'_>>, ScrapeError> {
             .find(|c: char| c == '{' || c.is_whitespace())
             .ok_or_else(|| err("no value"))?;
         let name = &line[..name_end];
+        if !is_name(name, true) {
+            return Err(err("invalid metric name"));
+        }
         let mut rest = &line[name_end..];
         let mut labels = BTreeMap::new();
         if let Some(body) = rest.strip_prefix('{') {
@@ -147,16 +150,31 @@ fn parse_value(s: &str) -> Option<f64> {
     }
 }
 
-/// Parses `k="v",k2="v2"}` and returns the rest of the line after `}`.
+/// Whether `s` is a metric name (`[a-zA-Z_:][a-zA-Z0-9_:]*`) or, without colons, a label name.
+fn is_name(s: &str, colon: bool) -> bool {
+    let ok = |c: char, first: bool| {
+        c.is_ascii_alphabetic() || c == '_' || (colon && c == ':') || (!first && c.is_ascii_digit())
+    };
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| ok(c, true)) && chars.all(|c| ok(c, false))
+}
+
+/// Parses `k="v",k2="v2"}` (whitespace around names, `=` and commas allowed, a trailing comma
+/// too) and returns the rest of the line after `}`. Anything else between labels is an error:
+/// read leniently, a stray character became part of the next label's name, which was then
+/// silently missing (found by fuzzing).
 fn parse_labels(mut s: &str) -> Result<(BTreeMap<&str, String>, &str), String> {
     let mut labels = BTreeMap::new();
     loop {
-        s = s.trim_start_matches([' ', ',']);
+        s = s.trim_start();
         if let Some(rest) = s.strip_prefix('}') {
             return Ok((labels, rest));
         }
         let eq = s.find('=').ok_or("label without '='")?;
-        let key = s[..eq].trim();
+        let key = s[..eq].trim_end();
+        if !is_name(key, false) {
+            return Err(format!("invalid label name {key:?}"));
+        }
         let after = s[eq + 1..]
             .trim_start()
             .strip_prefix('"')
@@ -176,7 +194,12 @@ fn parse_labels(mut s: &str) -> Result<(BTreeMap<&str, String>, &str), String> {
             }
         };
         labels.insert(key, value);
-        s = &after[end + 1..];
+        s = after[end + 1..].trim_start();
+        if let Some(rest) = s.strip_prefix(',') {
+            s = rest;
+        } else if !s.starts_with('}') {
+            return Err("expected ',' or '}' after a label".into());
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! vLLM's real exposition (0.33) and the pre-0.12 names.
 
-use kvsight_sidecar::scrape::{ScrapeError, parse};
+use kvsight_sidecar::scrape::{ScrapeError, parse, samples};
 
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -89,4 +89,40 @@ fn something_that_is_not_vllm_is_refused() {
         parse("process_cpu_seconds_total 3\n").unwrap_err(),
         ScrapeError::NotVllm
     );
+}
+
+/// Found by `cargo fuzz run prometheus_parse`: a form feed between two labels was read as part of
+/// the next label's name (`"\x0c,waiting_lora_adapters"` → `",waiting_lora_adapters"`), so the
+/// LoRA queue was silently missing. Whitespace between labels is skipped now, names are checked
+/// against the format, and labels must be separated by commas.
+#[test]
+fn regression_fuzz_stray_character_between_labels() {
+    let line = "vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a, b\"\x0c,\
+                waiting_lora_adapters=\"c\"} 1\n";
+    let lora = parse(line).unwrap().lora.unwrap();
+    assert_eq!(
+        (lora.running.len(), lora.waiting),
+        (2, vec!["c".to_owned()])
+    );
+    for bad in [
+        "m{a=\"1\"x,b=\"2\"} 1",
+        "m{a=\"1\" b=\"2\"} 1",
+        "m{,a=\"1\"} 1",
+        "m{a-b=\"1\"} 1",
+        "m{1a=\"1\"} 1",
+        "{} 1",
+        "1m 1",
+        "m\"x 1",
+    ] {
+        assert!(
+            matches!(samples(bad), Err(ScrapeError::Syntax { line: 1, .. })),
+            "{bad:?} accepted"
+        );
+    }
+    // What the format allows still reads: spaces around names, `=` and commas, a trailing comma.
+    let m =
+        parse("vllm:lora_requests_info{ max_lora = \"2\" , running_lora_adapters=\"a, b\", } 1\n")
+            .unwrap();
+    let lora = m.lora.unwrap();
+    assert_eq!((lora.max_lora, lora.running.len()), (Some(2), 2));
 }

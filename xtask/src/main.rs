@@ -17,8 +17,12 @@ usage: cargo xtask <command>
 
 commands:
   ci      fmt check, clippy -D warnings, every test, chart-check, hadolint on the Dockerfile,
-          build (not run) the criterion benches (test profile) and fuzz targets,
-          `bench --quick` and `real-vllm`
+          build (not run) the criterion benches (test profile) and fuzz targets (each
+          replays its corpus once), `bench --quick` and `real-vllm`
+  fuzz    coverage-guided fuzzing: every fuzz target for --seconds N (default 60) each, one
+          after another, with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP=1; installs
+          cargo-fuzz if missing); names of targets after the flags run only those; fails
+          naming the crashing input
   bench   kvsight against the routers people run today (smg, sglang-router, vllm-router from
           PyPI) and blind baselines, on simulated GPU pods, through and past saturation; writes
           target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
@@ -63,6 +67,7 @@ fn dispatch() -> Result<()> {
         "criterion" => criterion(&rest),
         "real-vllm" => real_vllm(&root, &rest),
         "demo" => demo(&rest),
+        "fuzz" => fuzz(&root, &rest),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
@@ -75,11 +80,31 @@ fn dispatch() -> Result<()> {
     }
 }
 
-/// The cargo-fuzz crates (package, folder), one per decoder, each with a seed corpus. They are
-/// workspace members outside `default-members`, so fmt and clippy above already cover them.
-const FUZZ_CRATES: [(&str, &str); 2] = [
-    ("kvsight-protocol-fuzz", "protocol/fuzz"),
-    ("kvsight-sidecar-fuzz", "sidecar/fuzz"),
+/// A cargo-fuzz crate beside the code it fuzzes, and its targets; each target has a corpus in
+/// `<dir>/corpus/<target>`. The crates are workspace members outside `default-members`, so fmt
+/// and clippy above already cover them.
+struct FuzzCrate {
+    package: &'static str,
+    dir: &'static str,
+    targets: &'static [&'static str],
+}
+
+const FUZZ_CRATES: [FuzzCrate; 3] = [
+    FuzzCrate {
+        package: "kvsight-protocol-fuzz",
+        dir: "protocol/fuzz",
+        targets: &["frame_decode", "chat_render"],
+    },
+    FuzzCrate {
+        package: "kvsight-sidecar-fuzz",
+        dir: "sidecar/fuzz",
+        targets: &["kv_event_decode", "prometheus_parse"],
+    },
+    FuzzCrate {
+        package: "kvsight-router-fuzz",
+        dir: "router/fuzz",
+        targets: &["openai_request"],
+    },
 ];
 
 fn workspace_root() -> PathBuf {
@@ -125,8 +150,8 @@ fn ci(root: &Path) -> Result<()> {
         "build the criterion benches (test profile)",
         &["test", "--workspace", "--benches", "--locked", "--no-run"],
     )?;
-    for (package, dir) in FUZZ_CRATES {
-        build_and_replay_fuzz(root, package, dir)?;
+    for krate in &FUZZ_CRATES {
+        build_and_replay_fuzz(root, krate)?;
     }
     // The comparison with the real peers, as a smoke test: every router's figures present.
     bench(root, &["--quick".to_owned()])?;
@@ -201,31 +226,214 @@ fn count_before(line: &str, what: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the fuzz crate with the toolchain at hand and replays its committed seed corpus once.
+/// Builds the fuzz crate with the toolchain at hand and replays each target's committed corpus
+/// once.
 ///
-/// Coverage-guided fuzzing (`cargo fuzz run`) needs a nightly compiler for its sanitizer flags;
-/// CI machines have only stable, so CI proves that the targets build and that no seed input
-/// crashes the decoder. A plain build of a libfuzzer-sys target still links libFuzzer's driver,
-/// which runs a corpus with `-runs=0`.
-fn build_and_replay_fuzz(root: &Path, package: &str, dir: &str) -> Result<()> {
+/// Coverage-guided fuzzing needs cargo-fuzz and compiler flags of a nightly toolchain
+/// (`cargo xtask fuzz` runs it on stable with `RUSTC_BOOTSTRAP=1`); CI only proves that the
+/// targets build and that no corpus input fails, which takes seconds. A plain build of a
+/// libfuzzer-sys target still links libFuzzer's driver, which runs a corpus with `-runs=0`.
+fn build_and_replay_fuzz(root: &Path, krate: &FuzzCrate) -> Result<()> {
     step(
-        &format!("fuzz targets build ({package})"),
-        &["build", "--package", package, "--locked"],
+        &format!("fuzz targets build ({})", krate.package),
+        &["build", "--package", krate.package, "--locked"],
     )?;
-    let target_dir = root.join("target/debug");
-    let corpus_root = root.join(dir).join("corpus");
+    let corpus_root = root.join(krate.dir).join("corpus");
     for entry in std::fs::read_dir(&corpus_root).context("reading the fuzz corpus folder")? {
-        let entry = entry?;
-        let name = entry.file_name();
-        let bin = target_dir.join(&name);
-        if !bin.exists() {
+        let name = entry?.file_name();
+        if !krate.targets.iter().any(|t| name.to_str() == Some(*t)) {
             bail!(
-                "corpus folder {:?} has no fuzz target of that name",
-                entry.path()
+                "{}: corpus folder {name:?} has no fuzz target of that name",
+                corpus_root.display()
             );
         }
-        let label = format!("fuzz corpus replay ({})", name.to_string_lossy());
-        run(&label, Command::new(&bin).arg("-runs=0").arg(entry.path()))?;
+    }
+    for target in krate.targets {
+        let corpus = corpus_root.join(target);
+        if !corpus.is_dir() {
+            bail!("fuzz target {target} has no corpus ({})", corpus.display());
+        }
+        run(
+            &format!("fuzz corpus replay ({target})"),
+            Command::new(root.join("target/debug").join(target))
+                .arg("-runs=0")
+                .arg(&corpus),
+        )?;
+    }
+    Ok(())
+}
+
+/// `cargo xtask fuzz [--seconds N] [target...]`: each target (all by default) fuzzed for N
+/// seconds, one after another, growing its corpus in place; then a table of what each run did.
+///
+/// libFuzzer runs in one process (no `-jobs`), so a campaign uses one core. The build has no
+/// sanitizer: every crate of ours forbids `unsafe`, and the instrumentation's cost would halve
+/// the executions; debug assertions and overflow checks stay on (cargo-fuzz's default).
+fn fuzz(root: &Path, args: &[String]) -> Result<()> {
+    let mut seconds: u64 = 60;
+    let mut only = Vec::new();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--seconds" => {
+                seconds = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|n| *n > 0)
+                    .context("--seconds needs a positive number")?;
+            }
+            name if !name.starts_with('-') => only.push(name.to_owned()),
+            other => bail!("unknown flag {other} (cargo xtask fuzz [--seconds N] [target...])"),
+        }
+    }
+    let all: Vec<(&FuzzCrate, &str)> = FUZZ_CRATES
+        .iter()
+        .flat_map(|k| k.targets.iter().map(move |t| (k, *t)))
+        .collect();
+    if let Some(unknown) = only.iter().find(|o| !all.iter().any(|(_, t)| t == o)) {
+        bail!("no fuzz target {unknown}");
+    }
+    let chosen: Vec<_> = all
+        .into_iter()
+        .filter(|(_, t)| only.is_empty() || only.iter().any(|o| o == t))
+        .collect();
+    ensure_cargo_fuzz()?;
+    let mut table = Vec::new();
+    for (krate, target) in chosen {
+        let dir = root.join(krate.dir);
+        let artifacts = dir.join("artifacts").join(target);
+        let before = files_in(&artifacts);
+        println!("==> cargo fuzz run {target} for {seconds} s");
+        let t = Instant::now();
+        let mut cmd = Command::new(cargo());
+        // `cargo run` gave this process xtask's package variables; ring's build script watches
+        // some of them, so cargo-fuzz run from here and from a shell would rebuild each other's
+        // ring and everything above it (minutes per switch).
+        for (key, _) in std::env::vars_os() {
+            if key.to_str().is_some_and(|k| {
+                k.starts_with("CARGO_PKG_")
+                    || k.starts_with("CARGO_MANIFEST_")
+                    || [
+                        "CARGO_CRATE_NAME",
+                        "CARGO_BIN_NAME",
+                        "CARGO_PRIMARY_PACKAGE",
+                    ]
+                    .contains(&k)
+            }) {
+                cmd.env_remove(key);
+            }
+        }
+        let mut child = cmd
+            .args(["fuzz", "run", "--sanitizer", "none", "--fuzz-dir"])
+            .arg(&dir)
+            .arg(target)
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            // A single input slower than this is a hang worth reporting.
+            .arg("-timeout=30")
+            .env("RUSTC_BOOTSTRAP", "1")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("starting cargo fuzz")?;
+        let summary = echo_libfuzzer(child.stderr.take().context("cargo fuzz stderr")?);
+        let status = child.wait()?;
+        let found: Vec<_> = files_in(&artifacts)
+            .into_iter()
+            .filter(|f| !before.contains(f))
+            .collect();
+        if !status.success() || !found.is_empty() {
+            match found.first() {
+                Some(input) => bail!(
+                    "fuzz target {target} failed on {} (replay: cargo fuzz run --fuzz-dir {} {target} {})",
+                    input.display(),
+                    krate.dir,
+                    input.display()
+                ),
+                None => bail!("cargo fuzz run {target} failed ({status})"),
+            }
+        }
+        println!(
+            "<== cargo fuzz run {target}: ok in {:.0} s",
+            t.elapsed().as_secs_f64()
+        );
+        let corpus = files_in(&dir.join("corpus").join(target));
+        let bytes: u64 = corpus
+            .iter()
+            .filter_map(|f| f.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        table.push(format!(
+            "{target:<18} {:>12} {:>8} {:>8} {:>7} {:>9}",
+            summary.execs,
+            summary.cov,
+            summary.ft,
+            corpus.len(),
+            bytes
+        ));
+    }
+    println!(
+        "xtask fuzz: {seconds} s per target, no findings\n{:<18} {:>12} {:>8} {:>8} {:>7} {:>9}",
+        "target", "executions", "cov", "ft", "corpus", "bytes"
+    );
+    for row in table {
+        println!("{row}");
+    }
+    Ok(())
+}
+
+/// What libFuzzer's last status line and its `Done` line said.
+#[derive(Default)]
+struct FuzzSummary {
+    execs: String,
+    cov: String,
+    ft: String,
+}
+
+/// Passes libFuzzer's output through and keeps its final figures.
+fn echo_libfuzzer(stderr: impl std::io::Read) -> FuzzSummary {
+    use std::io::{BufRead, BufReader};
+    let mut summary = FuzzSummary::default();
+    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        eprintln!("{line}");
+        // `#123456\tDONE   cov: 812 ft: 3310 corp: 150/20Kb ...` and `Done 123456 runs in 61 s`
+        let field = |key: &str| {
+            line.split_whitespace()
+                .skip_while(|w| *w != key)
+                .nth(1)
+                .map(str::to_owned)
+        };
+        if line.starts_with('#') {
+            if let Some(cov) = field("cov:") {
+                summary.cov = cov;
+            }
+            if let Some(ft) = field("ft:") {
+                summary.ft = ft;
+            }
+        } else if let Some(rest) = line.strip_prefix("Done ") {
+            summary.execs = rest.split_whitespace().next().unwrap_or("?").to_owned();
+        }
+    }
+    summary
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// cargo-fuzz, installed with `cargo install` when this machine lacks it.
+fn ensure_cargo_fuzz() -> Result<()> {
+    let present = Command::new(cargo())
+        .args(["fuzz", "--version"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !present {
+        step(
+            "cargo install cargo-fuzz",
+            &["install", "cargo-fuzz", "--locked"],
+        )?;
     }
     Ok(())
 }
