@@ -7,6 +7,7 @@
 use std::net::{TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -185,8 +186,30 @@ pub fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// A loopback TCP port free now (the kernel's choice; the child binds it a moment later).
+/// A loopback TCP port free now, for a child that binds it later — for vLLM up to a minute
+/// later. Taken below the kernel's ephemeral range: a port the kernel hands to `bind(0)` is
+/// free only until the next `bind(0)` anywhere on the machine, and a starting vLLM makes many
+/// (ZMQ, torch). Measured in CI: a KV-event port from `bind(0)` was taken by the other engine
+/// before its own engine bound it ("Address already in use"). Ports are tried in turn from a
+/// per-process offset, so two calls never return the same port.
 pub fn free_tcp_port() -> Result<u16> {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const BASE: u32 = 10_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_low.saturating_sub(BASE);
+    if span >= 1_000 {
+        let offset = std::process::id().wrapping_mul(7_919) % span;
+        for _ in 0..span.min(5_000) {
+            let port = BASE + (offset + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+            let port = u16::try_from(port).expect("below the ephemeral range");
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
