@@ -95,14 +95,28 @@ impl DevCa {
     ) -> Result<(), TransportError> {
         let io = |e: std::io::Error| TransportError::Tls(format!("writing certificates: {e}"));
         std::fs::create_dir_all(dir).map_err(io)?;
-        std::fs::write(dir.join("ca.pem"), self.ca_pem()).map_err(io)?;
+        write_whole(&dir.join("ca.pem"), self.ca_pem().as_bytes()).map_err(io)?;
         for (name, sans) in leaves {
             let leaf = self.issue(name, sans)?;
-            std::fs::write(dir.join(format!("{name}.pem")), leaf.cert).map_err(io)?;
-            std::fs::write(dir.join(format!("{name}-key.pem")), leaf.key).map_err(io)?;
+            write_whole(&dir.join(format!("{name}.pem")), leaf.cert.as_bytes()).map_err(io)?;
+            write_whole(&dir.join(format!("{name}-key.pem")), leaf.key.as_bytes()).map_err(io)?;
         }
         Ok(())
     }
+}
+
+/// Replaces `path` in one step (a sibling temporary file renamed over it). The folder's `ca.pem`
+/// is written again for every leaf, while processes started with earlier leaves read it: a
+/// truncate-then-write let one read an empty file ("CA bundle holds no certificate", seen in a
+/// bench run starting three routers in a row).
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    // Unique per process and call: two threads of one process may write the same folder.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp-{}-{n}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
 }
 
 /// TLS files laid out as the kubelet mounts a Secret — `tls.crt -> ..data/tls.crt`, `..data ->
