@@ -409,10 +409,7 @@ impl ModelTokenizer {
         normalizer: Option<&tokenizers::NormalizerWrapper>,
         text: &str,
         add_special_tokens: bool,
-        mut words: impl FnMut(
-            &str,
-            &mut WordSink<'_>,
-        ) -> Result<Result<(), FullPipeline>, TokenizerError>,
+        mut words: impl FnMut(&str, &mut WordSink<'_>) -> Result<Words, TokenizerError>,
     ) -> Result<Vec<u32>, TokenizerError> {
         let mut full_pipeline = false;
         let ids = encode_by_words(
@@ -422,7 +419,7 @@ impl ModelTokenizer {
             add_special_tokens,
             |split, _, emit| {
                 if !full_pipeline {
-                    full_pipeline = words(split, emit)?.is_err();
+                    full_pipeline = words(split, emit)? == Words::HandedOver;
                 }
                 Ok(())
             },
@@ -536,6 +533,16 @@ impl ModelTokenizer {
 /// Why a fast path hands a text to the full pipeline instead: its ids would not be exact there.
 #[derive(Debug, PartialEq, Eq)]
 struct FullPipeline;
+
+/// How a fast path that may hand a text over dealt with it.
+#[must_use]
+#[derive(Debug, PartialEq, Eq)]
+enum Words {
+    /// Every word went to the sink.
+    Emitted,
+    /// The text needs the full pipeline ([`FullPipeline`]); the words emitted so far are void.
+    HandedOver,
+}
 
 /// Whitespace runs of this many bytes or more go to the full pipeline. The lookahead
 /// alternative `\s+(?!\S)` of the byte-level patterns runs in fancy-regex's backtracking VM,
