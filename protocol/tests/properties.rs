@@ -382,14 +382,8 @@ fn false_positive_rate_at_capacity() {
     let params = FilterParams::for_capacity(capacity, 0.01);
     let mut f = CountingFilter::new(params).unwrap();
     // Keys are canonical hashes, i.e. uniform 64-bit values; a seeded generator stands in.
-    let mut x = 0x1234_5678_9abc_def0u64;
-    let mut next = || {
-        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut rng = kvsight_protocol::splitmix::SplitMix64::new(0x1234_5678_9abc_def0);
+    let mut next = || rng.next_u64();
     let members: Vec<u64> = (0..capacity).map(|_| next()).collect();
     for &k in &members {
         f.insert(k);
