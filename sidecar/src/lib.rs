@@ -225,13 +225,14 @@ async fn start_and_serve(
             .map(std::path::PathBuf::from)
             .filter(|p| p.is_dir())
     });
-    let tokenizer = tokenizer_dir.and_then(|dir| match publisher::load_tokenizer(&dir) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!(dir = %dir.display(), error = %e, "no tokenizer to hand out");
-            None
-        }
-    });
+    let tokenizer =
+        tokenizer_dir.and_then(|dir| match kvsight_transport::tokenizer_dir::read(&dir) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "no tokenizer to hand out");
+                None
+            }
+        });
     let hello = Hello {
         protocol_version: PROTOCOL_VERSION,
         instance_id: instance_id(),
