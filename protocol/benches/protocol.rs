@@ -14,16 +14,7 @@ use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::SidecarMessage;
 
 /// A seeded stand-in for uniform 64-bit canonical hashes.
-struct SplitMix(u64);
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
+type SplitMix = kvsight_protocol::splitmix::SplitMix64;
 
 const GPU_BLOCKS: usize = 50_000;
 
@@ -44,7 +35,7 @@ fn pods(rng: &mut SplitMix, chain: &[u64], held: impl Fn(usize) -> usize) -> Vec
     let params = FilterParams::for_capacity(GPU_BLOCKS, 0.01);
     (0..64)
         .map(|pod| {
-            let mut keys: Vec<u64> = (0..GPU_BLOCKS * 8 / 10).map(|_| rng.next()).collect();
+            let mut keys: Vec<u64> = (0..GPU_BLOCKS * 8 / 10).map(|_| rng.next_u64()).collect();
             keys.extend_from_slice(&chain[..held(pod)]);
             BloomFilter::from_keys(params, keys).expect("valid params")
         })
@@ -55,8 +46,8 @@ fn pods(rng: &mut SplitMix, chain: &[u64], held: impl Fn(usize) -> usize) -> Vec
 type HeldBlocks = Box<dyn Fn(usize) -> usize>;
 
 fn longest_prefix(c: &mut Criterion) {
-    let mut rng = SplitMix(42);
-    let chain: Vec<u64> = (0..512).map(|_| rng.next()).collect();
+    let mut rng = SplitMix::new(42);
+    let chain: Vec<u64> = (0..512).map(|_| rng.next_u64()).collect();
     let mut g = c.benchmark_group("longest_prefix_512_blocks_64_pods");
     let cases: [(&str, HeldBlocks); 3] = [
         // The common case: one pod holds the conversation, a few hold the system prompt.
@@ -103,10 +94,10 @@ fn longest_prefix(c: &mut Criterion) {
 
 fn delta_roundtrip(c: &mut Criterion) {
     let params = FilterParams::for_capacity(GPU_BLOCKS, 0.01);
-    let mut rng = SplitMix(7);
+    let mut rng = SplitMix::new(7);
     let mut side = CountingFilter::new(params).expect("valid params");
     for _ in 0..GPU_BLOCKS / 2 {
-        side.insert(rng.next());
+        side.insert(rng.next_u64());
     }
     let _ = side.take_delta();
     let mut router = BloomFilter::from_snapshot(&side.snapshot()).expect("snapshot");
@@ -116,7 +107,7 @@ fn delta_roundtrip(c: &mut Criterion) {
         b.iter(|| {
             // 1000 blocks stored, then the same 1000 evicted: two deltas per iteration, so the
             // filter returns to its starting state and every iteration does the same work.
-            let keys: Vec<u64> = (0..1000).map(|_| rng.next()).collect();
+            let keys: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
             for &k in &keys {
                 side.insert(k);
             }
@@ -168,18 +159,18 @@ mod llama3 {
     /// One sentence of pseudo-words, numbers and punctuation.
     pub(super) fn sentence(rng: &mut SplitMix) -> String {
         let mut s = String::new();
-        for _ in 0..8 + rng.next() % 10 {
-            let syllables = 1 + rng.next() % 3;
+        for _ in 0..8 + rng.next_u64() % 10 {
+            let syllables = 1 + rng.next_u64() % 3;
             let mut word: String = (0..syllables)
-                .map(|_| SYLLABLES[(rng.next() % SYLLABLES.len() as u64) as usize])
+                .map(|_| SYLLABLES[(rng.next_u64() % SYLLABLES.len() as u64) as usize])
                 .collect();
-            if rng.next().is_multiple_of(9) {
+            if rng.next_u64().is_multiple_of(9) {
                 word = word.to_uppercase();
             }
             s.push_str(&word);
-            match rng.next() % 8 {
-                0 => s.push_str(PUNCT[(rng.next() % PUNCT.len() as u64) as usize]),
-                1 => s.push_str(&format!(" {} ", rng.next() % 5000)),
+            match rng.next_u64() % 8 {
+                0 => s.push_str(PUNCT[(rng.next_u64() % PUNCT.len() as u64) as usize]),
+                1 => s.push_str(&format!(" {} ", rng.next_u64() % 5000)),
                 _ => s.push(' '),
             }
         }
@@ -207,7 +198,7 @@ mod llama3 {
             .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
             .build()
             .into();
-        let mut rng = SplitMix(1);
+        let mut rng = SplitMix::new(1);
         let corpus: Vec<String> = (0..4000).map(|_| sentence(&mut rng)).collect();
         tokenizer
             .train(&mut trainer, corpus.into_iter())
@@ -231,7 +222,7 @@ mod llama3 {
     /// A chat as Llama 3's template renders it: a system prompt of `guidelines` numbered
     /// guidelines and one question.
     pub(super) fn chat(guidelines: usize) -> String {
-        let mut rng = SplitMix(2);
+        let mut rng = SplitMix::new(2);
         let mut s = String::from(
             "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant. Follow these guidelines:\n",
         );
@@ -319,7 +310,7 @@ fn tokenize_phi3(c: &mut Criterion) {
         return;
     };
     let tok = ModelTokenizer::from_bytes(&json, Some(&config)).expect("phi-3 tokenizer");
-    let mut rng = SplitMix(3);
+    let mut rng = SplitMix::new(3);
     let system: String = (1..=100)
         .map(|i| format!("{i}. {}", llama3::sentence(&mut rng)))
         .collect();

@@ -15,6 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::messages::{CacheDelta, CacheSnapshot};
+use crate::splitmix::splitmix64;
 
 /// Words of 64 bits in one filter block (one cache line).
 pub const WORDS_PER_BLOCK: usize = 8;
@@ -157,14 +158,6 @@ impl Probe {
     fn bit(&self, w: usize) -> (usize, u64) {
         (self.base + w, 1u64 << ((self.positions >> (6 * w)) & 63))
     }
-}
-
-#[inline]
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 #[inline]

@@ -18,6 +18,7 @@ pub mod frame;
 pub mod hash;
 pub mod messages;
 pub mod openai;
+pub mod splitmix;
 #[cfg(feature = "tokenizer")]
 pub mod tokenizer;
 pub mod tokenizer_transfer;

@@ -386,6 +386,27 @@ impl Hello {
 }
 
 impl Load {
+    /// The first report of a Ready pod with nothing running, nothing waiting, an empty cache
+    /// and no prefill rate measured yet: the base tests and simulators change fields of.
+    pub fn idle() -> Self {
+        Load {
+            seq: 1,
+            sample_age_ms: 0,
+            phase: Phase::Ready,
+            cache_view: CacheView::Exact,
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+            unrouted: 0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            preemptions: 0,
+            prefill_tokens_per_s: None,
+            lora_running: vec![],
+            lora_waiting: vec![],
+        }
+    }
+
     /// `kv_usage` must be a fraction and the prefill rate a finite, positive number: the router
     /// compares both with thresholds, and every comparison with NaN is false.
     pub fn validate(&self) -> Result<(), InvalidField> {

@@ -156,6 +156,44 @@ pub struct ChatExtras {
     pub continue_final_message: bool,
 }
 
+/// A chat completion body as the template reads it: the messages, `add_generation_prompt`
+/// (vLLM's default: true) and the [`ChatExtras`]. Read here, once, for every reader of bodies
+/// (the router, the fuzz target), so they cannot disagree on a default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    pub add_generation_prompt: bool,
+    pub extras: ChatExtras,
+}
+
+impl ChatRequest {
+    /// Reads a request body; fields of the wrong type count as absent, as vLLM's defaults do,
+    /// except `messages`, which must be a list of messages.
+    pub fn from_body(body: &Json) -> Result<Self, TokenizerError> {
+        let messages = body
+            .get("messages")
+            .ok_or_else(|| TokenizerError::InvalidRequest("`messages` is required".into()))?;
+        let messages = Vec::<ChatMessage>::deserialize(messages)
+            .map_err(|e| TokenizerError::InvalidRequest(format!("`messages`: {e}")))?;
+        let flag = |k: &str, default: bool| body.get(k).and_then(Json::as_bool).unwrap_or(default);
+        let list = |k: &str| body.get(k).and_then(Json::as_array).cloned();
+        Ok(ChatRequest {
+            messages,
+            add_generation_prompt: flag("add_generation_prompt", true),
+            extras: ChatExtras {
+                tools: list("tools"),
+                documents: list("documents"),
+                template_kwargs: body
+                    .get("chat_template_kwargs")
+                    .and_then(Json::as_object)
+                    .cloned()
+                    .unwrap_or_default(),
+                continue_final_message: flag("continue_final_message", false),
+            },
+        })
+    }
+}
+
 /// A model's tokenizer and chat template, producing vLLM's token ids.
 #[derive(Clone, Debug)]
 pub struct ModelTokenizer {
@@ -409,10 +447,7 @@ impl ModelTokenizer {
         normalizer: Option<&tokenizers::NormalizerWrapper>,
         text: &str,
         add_special_tokens: bool,
-        mut words: impl FnMut(
-            &str,
-            &mut WordSink<'_>,
-        ) -> Result<Result<(), FullPipeline>, TokenizerError>,
+        mut words: impl FnMut(&str, &mut WordSink<'_>) -> Result<Words, TokenizerError>,
     ) -> Result<Vec<u32>, TokenizerError> {
         let mut full_pipeline = false;
         let ids = encode_by_words(
@@ -422,7 +457,7 @@ impl ModelTokenizer {
             add_special_tokens,
             |split, _, emit| {
                 if !full_pipeline {
-                    full_pipeline = words(split, emit)?.is_err();
+                    full_pipeline = words(split, emit)? == Words::HandedOver;
                 }
                 Ok(())
             },
@@ -536,6 +571,16 @@ impl ModelTokenizer {
 /// Why a fast path hands a text to the full pipeline instead: its ids would not be exact there.
 #[derive(Debug, PartialEq, Eq)]
 struct FullPipeline;
+
+/// How a fast path that may hand a text over dealt with it.
+#[must_use]
+#[derive(Debug, PartialEq, Eq)]
+enum Words {
+    /// Every word went to the sink.
+    Emitted,
+    /// The text needs the full pipeline ([`FullPipeline`]); the words emitted so far are void.
+    HandedOver,
+}
 
 /// Whitespace runs of this many bytes or more go to the full pipeline. The lookahead
 /// alternative `\s+(?!\S)` of the byte-level patterns runs in fancy-regex's backtracking VM,

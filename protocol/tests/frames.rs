@@ -224,20 +224,9 @@ fn removal_is_exact_and_unknown_removal_changes_nothing() {
 /// A `Load` as an idle Ready pod reports it.
 fn load() -> Load {
     Load {
-        seq: 1,
-        sample_age_ms: 0,
-        phase: Phase::Ready,
-        cache_view: CacheView::Exact,
-        running: 0,
-        waiting: 0,
         kv_usage: 0.5,
-        unrouted: 0,
-        prefix_cache_queries: 0,
-        prefix_cache_hits: 0,
-        preemptions: 0,
         prefill_tokens_per_s: Some(5_000.0),
-        lora_running: vec![],
-        lora_waiting: vec![],
+        ..Load::idle()
     }
 }
 

@@ -24,8 +24,9 @@ use kvsight_protocol::messages::*;
 use kvsight_router::config::SchedulerConfig;
 use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
-use kvsight_router::tokenize::{model_tokenizer, read_dir};
+use kvsight_router::tokenize::model_tokenizer;
 use kvsight_testbed::messages;
+use kvsight_transport::tokenizer_dir::read as read_dir;
 
 const PODS: usize = 64;
 const BLOCKS: usize = 512;

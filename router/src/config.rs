@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::scheduler::scorers::ScorerKind;
+
 /// Why a configuration was rejected.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -100,47 +102,44 @@ pub struct Weights {
 impl Default for Weights {
     fn default() -> Self {
         Weights {
-            prefix: 3.0,
-            queue: 1.0,
-            kv_cache: 1.0,
-            running_requests: 2.0,
-            lora_affinity: 1.0,
-            predicted_latency: 0.0,
-            lmetric: 0.0,
-            affinity: 0.0,
-            lru: 0.1,
+            prefix: ScorerKind::Prefix.default_weight(),
+            queue: ScorerKind::Queue.default_weight(),
+            kv_cache: ScorerKind::KvCache.default_weight(),
+            running_requests: ScorerKind::RunningRequests.default_weight(),
+            lora_affinity: ScorerKind::LoraAffinity.default_weight(),
+            predicted_latency: ScorerKind::PredictedLatency.default_weight(),
+            lmetric: ScorerKind::Lmetric.default_weight(),
+            affinity: ScorerKind::Affinity.default_weight(),
+            lru: ScorerKind::Lru.default_weight(),
         }
     }
 }
 
 impl Weights {
-    /// The weights the scheduler applies, by config name: as configured, except `affinity`,
-    /// which counts only alongside `prefix`.
-    pub fn effective(&self) -> [(&'static str, f64); 9] {
-        let mut w = self.named();
-        if self.prefix == 0.0 {
-            for (name, v) in &mut w {
-                if *name == "affinity" {
-                    *v = 0.0;
-                }
-            }
+    /// The configured weight of `kind`. The fields stay plain so the file format is serde's;
+    /// this match is what joins each field to its scorer.
+    pub fn get(&self, kind: ScorerKind) -> f64 {
+        match kind {
+            ScorerKind::Prefix => self.prefix,
+            ScorerKind::Queue => self.queue,
+            ScorerKind::KvCache => self.kv_cache,
+            ScorerKind::RunningRequests => self.running_requests,
+            ScorerKind::LoraAffinity => self.lora_affinity,
+            ScorerKind::PredictedLatency => self.predicted_latency,
+            ScorerKind::Lmetric => self.lmetric,
+            ScorerKind::Affinity => self.affinity,
+            ScorerKind::Lru => self.lru,
         }
-        w
     }
 
-    /// Every weight with its config name.
-    pub fn named(&self) -> [(&'static str, f64); 9] {
-        [
-            ("prefix", self.prefix),
-            ("queue", self.queue),
-            ("kvCache", self.kv_cache),
-            ("runningRequests", self.running_requests),
-            ("loraAffinity", self.lora_affinity),
-            ("predictedLatency", self.predicted_latency),
-            ("lmetric", self.lmetric),
-            ("affinity", self.affinity),
-            ("lru", self.lru),
-        ]
+    /// The weight the scheduler applies to `kind`: as configured, except `affinity`, which
+    /// counts only alongside `prefix` (`prefix: 0` must spread a shared prefix, and a home is
+    /// a prefix preference too).
+    pub fn effective(&self, kind: ScorerKind) -> f64 {
+        match kind {
+            ScorerKind::Affinity if self.prefix == 0.0 => 0.0,
+            _ => self.get(kind),
+        }
     }
 }
 
@@ -379,10 +378,11 @@ impl RouterConfig {
                 }
             }
         }
-        for (name, w) in self.scheduler.weights.named() {
+        for kind in ScorerKind::ALL {
+            let w = self.scheduler.weights.get(kind);
             if !w.is_finite() || w < 0.0 {
                 return Err(invalid(
-                    format!("scheduler.weights.{name}"),
+                    format!("scheduler.weights.{}", kind.key()),
                     format!("must be a finite number >= 0, got {w}"),
                 ));
             }
@@ -551,6 +551,36 @@ requestSeconds = 30
         assert_eq!(a.scheduler.saturation.kv_threshold, 0.9);
         assert_eq!(a.timeouts.request(), Duration::from_secs(30));
         assert_eq!(a.pool_for("kvsight-demo").unwrap().name, "short");
+    }
+
+    /// Each kind's key is the file's key for its weight: set alone, it reaches `get(kind)` and
+    /// no other kind's weight; refused, the error names it.
+    #[test]
+    fn every_scorer_key_is_its_weight_in_the_file() {
+        for kind in ScorerKind::ALL {
+            let key = kind.key();
+            let c = RouterConfig::from_yaml(&format!("scheduler: {{weights: {{{key}: 7.25}}}}"))
+                .unwrap_or_else(|e| panic!("{key}: {e}"));
+            for other in ScorerKind::ALL {
+                let want = if other == kind {
+                    7.25
+                } else {
+                    other.default_weight()
+                };
+                assert_eq!(
+                    c.scheduler.weights.get(other),
+                    want,
+                    "{key} set, {other:?} read"
+                );
+            }
+            let err = RouterConfig::from_yaml(&format!("scheduler: {{weights: {{{key}: -1}}}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with(&format!("scheduler.weights.{key}")),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -176,15 +176,11 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
 
 async fn serve(args: &Args, cfg: RunConfig) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM right after the ports are bound must drain, not kill.
-    let terminated = kvsight_transport::signal::termination();
-    let http = tokio::net::TcpListener::bind(args.listen).await?;
-    let quic = std::net::UdpSocket::bind(args.quic_listen)?;
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
-    tokio::spawn(async move {
-        terminated.await;
-        signal.cancel();
-    });
+    kvsight_transport::signal::on_termination(move || signal.cancel());
+    let http = tokio::net::TcpListener::bind(args.listen).await?;
+    let quic = std::net::UdpSocket::bind(args.quic_listen)?;
     kvsight_router::run(Listeners { http, quic }, cfg, shutdown).await?;
     Ok(())
 }

@@ -262,13 +262,16 @@ pub async fn handle(state: Arc<State>, kind: Kind, req: Request) -> Response {
         info_span!("request", request_id = %request_id, pool = field::Empty, pod = field::Empty);
     let rid = HeaderValue::from_str(&request_id).ok();
     let mut resp = async {
-        match forward(&state, kind, &parts.headers, body, &request_id).await {
-            Ok(r) => r,
-            Err((pool, e)) => {
-                state.metrics.request(&pool, "", e.status().as_u16());
-                e.into_response()
-            }
-        }
+        let mut route = Route::default();
+        let resp = forward(&state, kind, &parts.headers, body, &request_id, &mut route)
+            .await
+            .unwrap_or_else(IntoResponse::into_response);
+        // The one place a request is counted, however it ended: by the pool and pod it reached
+        // and the status the client gets.
+        state
+            .metrics
+            .request(&route.pool, &route.pod, resp.status().as_u16());
+        resp
     }
     .instrument(span)
     .await;
@@ -278,50 +281,163 @@ pub async fn handle(state: Arc<State>, kind: Kind, req: Request) -> Response {
     resp
 }
 
+/// How far a request got: the pool and pod its metrics and span are labelled with (empty while
+/// not chosen, e.g. for a body refused before any pool was looked at).
+#[derive(Debug, Default)]
+struct Route {
+    pool: String,
+    pod: String,
+}
+
+impl Route {
+    fn set(&mut self, pool: Option<&PoolConfig>, pod: &str) {
+        self.pool = pool.map_or_else(String::new, |p| p.name.clone());
+        self.pod = pod.to_owned();
+        let span = tracing::Span::current();
+        span.record("pool", self.pool.as_str());
+        if !pod.is_empty() {
+            span.record("pod", pod);
+        }
+    }
+}
+
+/// A request read, checked and tokenized: what every attempt sends and picks by.
+struct Prepared {
+    kind: Kind,
+    model: String,
+    body: Bytes,
+    prompt: Prompt,
+    cache_salt: Option<String>,
+    /// The headers sent to the pod (end-to-end ones, the request id, no debug flag).
+    headers: HeaderMap,
+    /// The client asked for the `x-kvsight-decision` header.
+    debug: bool,
+    deadline: TokioInstant,
+    /// When tokenizing began: the router's added latency runs from here to the pod's request.
+    started: Instant,
+}
+
+/// Why a request is tried again. Only where no generation can have started, and each reason
+/// at most once per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RetryReason {
+    /// The pod refused the connection: one other pod may take the request.
+    ConnectRefused,
+    /// vLLM's context-length 400 from a pool with a fallback: resent once to the fallback pool.
+    ContextFallback,
+}
+
+impl RetryReason {
+    /// The `reason` label of `kvsight_router_retries_total`.
+    fn label(self) -> &'static str {
+        match self {
+            RetryReason::ConnectRefused => "connect_refused",
+            RetryReason::ContextFallback => "context_fallback",
+        }
+    }
+}
+
+/// Where the next attempt goes, and why.
+#[derive(Debug)]
+enum Retry<'a> {
+    /// In the pool the refused attempt picked in, avoiding `pod`.
+    ConnectRefused {
+        pool: Option<&'a PoolConfig>,
+        pod: String,
+    },
+    /// In the fallback pool, any pod.
+    ContextFallback { pool: &'a PoolConfig },
+}
+
+impl Retry<'_> {
+    fn reason(&self) -> RetryReason {
+        match self {
+            Retry::ConnectRefused { .. } => RetryReason::ConnectRefused,
+            Retry::ContextFallback { .. } => RetryReason::ContextFallback,
+        }
+    }
+}
+
+/// One try at a pod: the pool to pick in, the pods to avoid, the retries already taken.
+#[derive(Debug)]
+struct Attempt<'a> {
+    pool: Option<&'a PoolConfig>,
+    exclude: Vec<String>,
+    spent: Vec<RetryReason>,
+}
+
+impl<'a> Attempt<'a> {
+    fn first(pool: Option<&'a PoolConfig>) -> Self {
+        Attempt {
+            pool,
+            exclude: Vec::new(),
+            spent: Vec::new(),
+        }
+    }
+
+    fn may_retry(&self, reason: RetryReason) -> bool {
+        !self.spent.contains(&reason)
+    }
+
+    fn next(mut self, retry: Retry<'a>) -> Self {
+        self.spent.push(retry.reason());
+        match retry {
+            Retry::ConnectRefused { pool, pod } => {
+                self.pool = pool;
+                self.exclude.push(pod);
+            }
+            Retry::ContextFallback { pool } => {
+                self.pool = Some(pool);
+                self.exclude.clear();
+            }
+        }
+        self
+    }
+}
+
+/// What an attempt ended in.
+enum Step<'a> {
+    /// The answer for the client (a stream from the pod, or the pod's whole error).
+    Answer(Response),
+    Retry(Retry<'a>),
+}
+
+/// Reads and checks the request, tokenizes it, then runs attempts until one gives an answer.
 async fn forward(
     state: &Arc<State>,
     kind: Kind,
     in_headers: &HeaderMap,
     body: Body,
     request_id: &str,
-) -> Result<Response, (String, ApiError)> {
+    route: &mut Route,
+) -> Result<Response, ApiError> {
     let live = state.live();
     let deadline = TokioInstant::now() + live.config.timeouts.request();
-    let no_pool = |e| (String::new(), e);
     if state.is_draining() {
-        return Err(no_pool(ApiError::ShuttingDown));
+        return Err(ApiError::ShuttingDown);
     }
-    let (bytes, json, model) = read_request(state, &live, in_headers, body)
-        .await
-        .map_err(no_pool)?;
+    let (bytes, json, model) = read_request(state, &live, in_headers, body).await?;
     // Read as vLLM will read it, and refused here as vLLM would refuse it (before a pod is
     // picked and charged with the request). The answer's content type, not this flag, decides
     // how a cut stream ends: the pod's answer is the truth.
-    optional_bool(&json, "stream", false)
-        .map_err(|e| ApiError::BadParam {
-            message: e.validation_message("stream"),
-            param: "body.stream",
-        })
-        .map_err(no_pool)?;
-    let mut pool = live.config.pool_for(&model);
+    optional_bool(&json, "stream", false).map_err(|e| ApiError::BadParam {
+        message: e.validation_message("stream"),
+        param: "body.stream",
+    })?;
+    let pool = live.config.pool_for(&model);
     if pool.is_none() && !state.registry().pods().any(|p| p.serves(&model)) {
-        return Err(no_pool(ApiError::UnknownModel(model)));
+        return Err(ApiError::UnknownModel(model));
     }
-    let pool_name = |p: Option<&PoolConfig>| p.map_or_else(String::new, |p| p.name.clone());
-    tracing::Span::current().record("pool", pool_name(pool).as_str());
+    route.set(pool, "");
 
-    let t0 = Instant::now();
+    let started = Instant::now();
     let prompt = tokenize::prompt_tokens(&state.tokenizers, &model, kind == Kind::Chat, &json)
-        .map_err(|e| (pool_name(pool), ApiError::BadRequest(e.to_string())))?;
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     state
         .metrics
         .tokenize_seconds
-        .observe(t0.elapsed().as_secs_f64());
-    state
-        .metrics
-        .mode(&model, if prompt.exact { "exact" } else { "approximate" });
-    let cache_salt = json.get("cache_salt").and_then(Value::as_str);
-    let debug = in_headers.get(DEBUG).is_some_and(|v| v.as_bytes() == b"1");
+        .observe(started.elapsed().as_secs_f64());
+    state.metrics.mode(&model, prompt_mode(&prompt));
 
     let mut headers = end_to_end(in_headers);
     for h in [header::HOST, header::CONTENT_LENGTH] {
@@ -331,135 +447,145 @@ async fn forward(
     if let Ok(v) = HeaderValue::from_str(request_id) {
         headers.insert(REQUEST_ID, v);
     }
+    let req = Prepared {
+        kind,
+        cache_salt: json
+            .get("cache_salt")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        model,
+        body: bytes,
+        prompt,
+        headers,
+        debug: in_headers.get(DEBUG).is_some_and(|v| v.as_bytes() == b"1"),
+        deadline,
+        started,
+    };
 
-    let mut exclude: Vec<String> = Vec::new();
-    let mut refused_retry = false;
-    let mut fallback_retry = false;
+    let mut attempt = Attempt::first(pool);
     loop {
-        let (decision, used_pool) = pick(state, &live, &model, pool, &prompt, cache_salt, &exclude)
-            .map_err(|e| (pool_name(pool), e))?;
-        pool = used_pool;
-        let pname = pool_name(pool);
-        tracing::Span::current().record("pool", pname.as_str());
-        tracing::Span::current().record("pod", decision.pod.as_str());
-        let done = Done {
-            state: state.clone(),
-            pod: decision.pod.clone(),
-        };
-        let added = t0.elapsed();
-        let url = format!("{}{}", decision.url.trim_end_matches('/'), kind.path());
-        let send = state
-            .client
-            .post(url)
-            .headers(headers.clone())
-            .body(bytes.clone())
-            .send();
-        let upstream = match timeout_at(deadline, send).await {
-            Err(_) => {
-                let e = ApiError::Deadline(live.config.timeouts.request());
-                state.metrics.request(&pname, &decision.pod, 504);
-                return Ok(e.into_response());
+        match try_once(state, &live, &req, &attempt, route).await? {
+            Step::Answer(resp) => return Ok(resp),
+            Step::Retry(retry) => {
+                state.metrics.retry(retry.reason().label());
+                attempt = attempt.next(retry);
             }
-            Ok(Err(e)) if e.is_connect() && !refused_retry => {
-                // Nothing reached the engine: one other pod may take it.
-                warn!(pod = %decision.pod, error = %e, "connection refused, retrying on another pod");
-                state.metrics.retry("connect_refused");
-                refused_retry = true;
-                exclude.push(decision.pod.clone());
-                continue;
-            }
-            Ok(Err(e)) => {
-                let e = ApiError::Upstream {
-                    pod: decision.pod.clone(),
-                    message: error_chain(&e),
-                };
-                state.metrics.request(&pname, &decision.pod, 502);
-                return Ok(e.into_response());
-            }
-            Ok(Ok(r)) => r,
-        };
-        let fallback = pool
-            .and_then(|p| p.fallback.as_deref())
-            .and_then(|n| live.config.pool(n));
-        if upstream.status() == StatusCode::BAD_REQUEST
-            && !fallback_retry
-            && let Some(fb) = fallback
-        {
-            // A 400 is small and final: read it to see whether it is the context-length error.
-            let status = upstream.status();
-            let up_headers = end_to_end(upstream.headers());
-            let body = match timeout_at(deadline, upstream.bytes()).await {
-                Ok(Ok(b)) => b,
-                Ok(Err(e)) => {
-                    state.metrics.request(&pname, &decision.pod, 502);
-                    return Ok(ApiError::Upstream {
-                        pod: decision.pod.clone(),
-                        message: error_chain(&e),
-                    }
-                    .into_response());
-                }
-                Err(_) => {
-                    state.metrics.request(&pname, &decision.pod, 504);
-                    return Ok(ApiError::Deadline(live.config.timeouts.request()).into_response());
-                }
-            };
-            if is_context_length_error(&body) {
-                state.metrics.retry("context_fallback");
-                fallback_retry = true;
-                pool = Some(fb);
-                exclude.clear();
-                continue;
-            }
-            state
-                .metrics
-                .request(&pname, &decision.pod, status.as_u16());
-            let mut resp = Response::new(Body::from(body));
-            *resp.status_mut() = status;
-            *resp.headers_mut() = up_headers;
-            drop(done);
-            return Ok(resp);
         }
-        let mode = if prompt.exact { "exact" } else { "approximate" };
-        state
-            .metrics
-            .added_latency_seconds
-            .observe(added.as_secs_f64());
-        return Ok(stream_back(
-            state,
-            upstream,
-            done,
-            deadline,
-            &pname,
-            debug.then(|| decision_header(&decision, mode)),
-            decision.predicted_cached_tokens,
-        ));
     }
 }
 
-/// Picks in `pool`; a prompt too long for it goes to the pool's fallback, or — without one — to
-/// a pod anyway, so the client gets vLLM's own 400 text.
+fn prompt_mode(prompt: &Prompt) -> &'static str {
+    if prompt.exact { "exact" } else { "approximate" }
+}
+
+/// Picks a pod for `attempt` and sends the request there: the answer, or the retry it calls for.
+async fn try_once<'a>(
+    state: &Arc<State>,
+    live: &'a Live,
+    req: &Prepared,
+    attempt: &Attempt<'a>,
+    route: &mut Route,
+) -> Result<Step<'a>, ApiError> {
+    route.set(attempt.pool, "");
+    let Placed { decision, pool } = pick(state, live, req, attempt)?;
+    route.set(pool, &decision.pod);
+    let done = Done {
+        state: state.clone(),
+        pod: decision.pod.clone(),
+    };
+    let added = req.started.elapsed();
+    let url = format!("{}{}", decision.url.trim_end_matches('/'), req.kind.path());
+    let send = state
+        .client
+        .post(url)
+        .headers(req.headers.clone())
+        .body(req.body.clone())
+        .send();
+    let past_deadline = || ApiError::Deadline(live.config.timeouts.request());
+    let upstream_failed = |e: &reqwest::Error| ApiError::Upstream {
+        pod: decision.pod.clone(),
+        message: error_chain(e),
+    };
+    let upstream = match timeout_at(req.deadline, send).await {
+        Err(_) => return Err(past_deadline()),
+        Ok(Err(e)) if e.is_connect() && attempt.may_retry(RetryReason::ConnectRefused) => {
+            warn!(pod = %decision.pod, error = %e, "connection refused, retrying on another pod");
+            return Ok(Step::Retry(Retry::ConnectRefused {
+                pool,
+                pod: decision.pod,
+            }));
+        }
+        Ok(Err(e)) => return Err(upstream_failed(&e)),
+        Ok(Ok(r)) => r,
+    };
+    let fallback = pool
+        .and_then(|p| p.fallback.as_deref())
+        .and_then(|n| live.config.pool(n));
+    if upstream.status() == StatusCode::BAD_REQUEST
+        && attempt.may_retry(RetryReason::ContextFallback)
+        && let Some(fallback) = fallback
+    {
+        // A 400 is small and final: read it to see whether it is the context-length error.
+        let status = upstream.status();
+        let up_headers = end_to_end(upstream.headers());
+        let body = match timeout_at(req.deadline, upstream.bytes()).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => return Err(upstream_failed(&e)),
+            Err(_) => return Err(past_deadline()),
+        };
+        if is_context_length_error(&body) {
+            return Ok(Step::Retry(Retry::ContextFallback { pool: fallback }));
+        }
+        let mut resp = Response::new(Body::from(body));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = up_headers;
+        return Ok(Step::Answer(resp));
+    }
+    state
+        .metrics
+        .added_latency_seconds
+        .observe(added.as_secs_f64());
+    let header = req
+        .debug
+        .then(|| decision_header(&decision, prompt_mode(&req.prompt)));
+    Ok(Step::Answer(stream_back(
+        state,
+        upstream,
+        done,
+        req.deadline,
+        header,
+        decision.predicted_cached_tokens,
+    )))
+}
+
+/// A pick and the pool it was made in (the request's, or its fallback when the prompt was too
+/// long for every pod of the request's pool).
+struct Placed<'a> {
+    decision: Decision,
+    pool: Option<&'a PoolConfig>,
+}
+
+/// Picks in the attempt's pool; a prompt too long for it goes to the pool's fallback, or —
+/// without one — to a pod anyway, so the client gets vLLM's own 400 text.
 fn pick<'a>(
     state: &State,
     live: &'a Live,
-    model: &str,
-    pool: Option<&'a PoolConfig>,
-    prompt: &Prompt,
-    cache_salt: Option<&str>,
-    exclude: &[String],
-) -> Result<(Decision, Option<&'a PoolConfig>), ApiError> {
-    let mut pool = pool;
+    prepared: &Prepared,
+    attempt: &Attempt<'a>,
+) -> Result<Placed<'a>, ApiError> {
+    let mut pool = attempt.pool;
     let mut hopped = false;
     loop {
         let req = PickRequest {
-            model,
+            model: &prepared.model,
             pool,
-            prompt_tokens: u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX),
-            tokens: Some(&prompt.tokens),
-            cache_salt,
-            exclude,
+            prompt_tokens: u32::try_from(prepared.prompt.tokens.len()).unwrap_or(u32::MAX),
+            tokens: Some(&prepared.prompt.tokens),
+            cache_salt: prepared.cache_salt.as_deref(),
+            exclude: &attempt.exclude,
         };
         match run_pick(state, live, &req) {
-            Ok(d) => return Ok((d, pool)),
+            Ok(decision) => return Ok(Placed { decision, pool }),
             Err(PickError::NoReadyPod(m)) => return Err(ApiError::NoReadyPod(m)),
             Err(PickError::TooLong { .. }) => {
                 let fb = pool
@@ -479,7 +605,7 @@ fn pick<'a>(
                             ..req
                         };
                         return run_pick(state, live, &req)
-                            .map(|d| (d, pool))
+                            .map(|decision| Placed { decision, pool })
                             .map_err(|e| ApiError::NoReadyPod(e.to_string()));
                     }
                 }
@@ -583,7 +709,6 @@ fn stream_back(
     upstream: reqwest::Response,
     done: Done,
     deadline: TokioInstant,
-    pool: &str,
     decision: Option<String>,
     predicted_cached_tokens: u32,
 ) -> Response {
@@ -600,9 +725,11 @@ fn stream_back(
     if let Some(v) = decision.and_then(|d| HeaderValue::from_str(&d).ok()) {
         headers.insert(HeaderName::from_static(DECISION), v);
     }
-    state.metrics.request(pool, &done.pod, status.as_u16());
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-    let sight = (predicted_cached_tokens, UsageTap::new(sse));
+    let sight = Sight {
+        predicted_cached_tokens,
+        tap: UsageTap::new(sse),
+    };
     let pump = pump(state.clone(), upstream, tx, deadline, sse, done, sight);
     state
         .tracker
@@ -611,6 +738,13 @@ fn stream_back(
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
     resp
+}
+
+/// What the pick predicted the pod finds cached, and the reader of what the engine reports
+/// (`usage` in the answer), compared when the answer ends whole.
+struct Sight {
+    predicted_cached_tokens: u32,
+    tap: UsageTap,
 }
 
 /// Copies the upstream body to the client chunk by chunk until it ends, the deadline passes,
@@ -622,7 +756,7 @@ async fn pump(
     deadline: TokioInstant,
     sse: bool,
     done: Done,
-    (predicted_cached_tokens, mut tap): (u32, UsageTap),
+    mut sight: Sight,
 ) {
     let mut body = upstream.bytes_stream();
     // Whether the bytes sent so far end between two SSE events.
@@ -647,7 +781,7 @@ async fn pump(
                     continue;
                 }
                 at_boundary = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
-                tap.feed(&chunk);
+                sight.tap.feed(&chunk);
                 match timeout_at(deadline, tx.send(Ok(chunk))).await {
                     Ok(Ok(())) => {}
                     // The client went away: dropping the upstream body cancels the generation.
@@ -668,11 +802,11 @@ async fn pump(
     };
     drop(body);
     if cut.is_none()
-        && let Some(engine) = tap.finish()
+        && let Some(engine) = sight.tap.finish()
     {
         state
             .metrics
-            .sight(&done.pod, predicted_cached_tokens, engine);
+            .sight(&done.pod, sight.predicted_cached_tokens, engine);
     }
     if let Some((reason, err)) = cut {
         state.metrics.cut(reason);

@@ -126,11 +126,19 @@ async fn connection(
         .register(hello.clone(), Instant::now().into_std());
     let span = info_span!("pod", pod = %key);
     info!(parent: &span, url = %hello.pod.url, models = ?hello.models, "pod registered");
-    let result = session(
-        &state, &hello, &key, conn_id, &conn, &mut send, &mut recv, &stop, interval,
-    )
-    .instrument(span.clone())
-    .await;
+    let session = Session {
+        state: &state,
+        hello: &hello,
+        key: &key,
+        conn_id,
+        conn: &conn,
+        stop: &stop,
+        interval,
+    };
+    let result = session
+        .run(&mut send, &mut recv)
+        .instrument(span.clone())
+        .await;
     state.registry().unregister(&key, conn_id);
     info!(parent: &span, "pod unregistered");
     result
@@ -242,117 +250,139 @@ pub async fn check_advertised_url(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn session(
-    state: &State,
-    hello: &Hello,
-    key: &str,
+/// A registered sidecar's connection: what its session loop reads and answers.
+struct Session<'a> {
+    state: &'a State,
+    hello: &'a Hello,
+    /// The pod's registry key, and this connection's id under it (a newer connection of the
+    /// same pod replaces this one).
+    key: &'a str,
     conn_id: u64,
-    conn: &quinn::Connection,
-    send: &mut FramedSend,
-    recv: &mut FramedRecv,
-    stop: &CancellationToken,
+    conn: &'a quinn::Connection,
+    /// The router's shutdown: say Goodbye and close.
+    stop: &'a CancellationToken,
+    /// How often the sidecar hears this router's in-flight count for its pod (its load
+    /// interval, clamped).
     interval: Duration,
-) -> Result<(), TransportError> {
-    let mut assembler = TokenizerAssembler::new();
-    // The primary model's tokenizer, when the sidecar has one and this router has not.
-    if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
-        && state.tokenizers.can_load()
-        && !state.tokenizers.has(model, Some(&info.digest))
-    {
-        send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
-            model: model.clone(),
-        }))
-        .await?;
-    }
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut seq = 0u64;
-    let mut resync_sent = false;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => {
-                let _ = send.send(&RouterMessage::Goodbye(Goodbye {
-                    reason: CloseReason::Shutdown,
-                    message: "router shutting down".into(),
-                })).await;
-                let _ = send.finish();
-                // A close discards unsent stream data: give the Goodbye a bounded moment (a
-                // sidecar closes as soon as it reads it).
-                let _ = timeout(GOODBYE_GRACE, conn.closed()).await;
-                close(conn, CloseReason::Shutdown, "router shutting down");
-                return Ok(());
-            }
-            _ = tick.tick() => {
-                seq += 1;
-                let requests = state.registry().get(key).map_or(0, |p| p.inflight);
-                send.send(&RouterMessage::Inflight(Inflight { seq, requests })).await?;
-            }
-            msg = recv.recv::<SidecarMessage>() => {
-                let msg = match msg {
-                    Ok(Some(m)) => m,
-                    Ok(None) => return Ok(()),
-                    Err(e) => {
-                        close(conn, CloseReason::ProtocolViolation, "malformed frame");
-                        return Err(e);
-                    }
-                };
-                let now = Instant::now().into_std();
-                let applied = match msg {
-                    SidecarMessage::Load(l) => state.registry().apply_load(key, conn_id, l, now),
-                    SidecarMessage::CacheSnapshot(s) => {
-                        resync_sent = false;
-                        state.registry().apply_snapshot(key, conn_id, &s)
-                    }
-                    SidecarMessage::CacheDelta(d) => {
-                        let applied = state.registry().apply_delta(key, conn_id, &d);
-                        // Engine publish → sidecar send (the sidecar's clock), plus half the
-                        // round trip → applied here.
-                        if let (Ok(()), Some(age)) = (&applied, d.age_ms) {
-                            let transit = conn.rtt().as_secs_f64() / 2.0;
-                            state
-                                .metrics
-                                .view_staleness_seconds
-                                .observe(f64::from(age) / 1000.0 + transit);
+}
+
+impl Session<'_> {
+    /// Serves the connection until either side ends it: in-flight counts out, loads, filter
+    /// snapshots and deltas and tokenizer chunks in.
+    async fn run(
+        &self,
+        send: &mut FramedSend,
+        recv: &mut FramedRecv,
+    ) -> Result<(), TransportError> {
+        let Session {
+            state,
+            hello,
+            key,
+            conn_id,
+            conn,
+            stop,
+            interval,
+        } = *self;
+        let mut assembler = TokenizerAssembler::new();
+        // The primary model's tokenizer, when the sidecar has one and this router has not.
+        if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
+            && state.tokenizers.can_load()
+            && !state.tokenizers.has(model, Some(&info.digest))
+        {
+            send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
+                model: model.clone(),
+            }))
+            .await?;
+        }
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut seq = 0u64;
+        let mut resync_sent = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => {
+                    let _ = send.send(&RouterMessage::Goodbye(Goodbye {
+                        reason: CloseReason::Shutdown,
+                        message: "router shutting down".into(),
+                    })).await;
+                    let _ = send.finish();
+                    // A close discards unsent stream data: give the Goodbye a bounded moment (a
+                    // sidecar closes as soon as it reads it).
+                    let _ = timeout(GOODBYE_GRACE, conn.closed()).await;
+                    close(conn, CloseReason::Shutdown, "router shutting down");
+                    return Ok(());
+                }
+                _ = tick.tick() => {
+                    seq += 1;
+                    let requests = state.registry().get(key).map_or(0, |p| p.inflight);
+                    send.send(&RouterMessage::Inflight(Inflight { seq, requests })).await?;
+                }
+                msg = recv.recv::<SidecarMessage>() => {
+                    let msg = match msg {
+                        Ok(Some(m)) => m,
+                        Ok(None) => return Ok(()),
+                        Err(e) => {
+                            close(conn, CloseReason::ProtocolViolation, "malformed frame");
+                            return Err(e);
                         }
-                        applied
-                    }
-                    SidecarMessage::TokenizerChunk(c) => {
-                        match assembler.push(c) {
-                            Ok(Some((model, files))) => {
-                                match state.tokenizers.load_files(&model, &files) {
-                                    Ok(()) => info!(%model, "tokenizer received"),
-                                    Err(e) => warn!(%model, error = %e, "tokenizer unusable"),
-                                }
+                    };
+                    let now = Instant::now().into_std();
+                    let applied = match msg {
+                        SidecarMessage::Load(l) => state.registry().apply_load(key, conn_id, l, now),
+                        SidecarMessage::CacheSnapshot(s) => {
+                            resync_sent = false;
+                            state.registry().apply_snapshot(key, conn_id, &s)
+                        }
+                        SidecarMessage::CacheDelta(d) => {
+                            let applied = state.registry().apply_delta(key, conn_id, &d);
+                            // Engine publish → sidecar send (the sidecar's clock), plus half the
+                            // round trip → applied here.
+                            if let (Ok(()), Some(age)) = (&applied, d.age_ms) {
+                                let transit = conn.rtt().as_secs_f64() / 2.0;
+                                state
+                                    .metrics
+                                    .view_staleness_seconds
+                                    .observe(f64::from(age) / 1000.0 + transit);
                             }
-                            Ok(None) => {}
-                            Err(e) => warn!(error = %e, "tokenizer transfer failed"),
+                            applied
                         }
-                        Ok(())
-                    }
-                    SidecarMessage::Goodbye(g) => {
-                        info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
-                        return Ok(());
-                    }
-                    SidecarMessage::Hello(_) => {
-                        close(conn, CloseReason::ProtocolViolation, "second Hello");
-                        return Ok(());
-                    }
-                };
-                match applied {
-                    Ok(()) => {}
-                    Err(RegistryError::Filter(e)) => {
-                        // The filter was dropped: ask for a whole one, once until it arrives.
-                        if !resync_sent {
-                            warn!(error = %e, "filter out of step, requesting a snapshot");
-                            send.send(&RouterMessage::ResyncRequest).await?;
-                            resync_sent = true;
+                        SidecarMessage::TokenizerChunk(c) => {
+                            match assembler.push(c) {
+                                Ok(Some((model, files))) => {
+                                    match state.tokenizers.load_files(&model, &files) {
+                                        Ok(()) => info!(%model, "tokenizer received"),
+                                        Err(e) => warn!(%model, error = %e, "tokenizer unusable"),
+                                    }
+                                }
+                                Ok(None) => {}
+                                Err(e) => warn!(error = %e, "tokenizer transfer failed"),
+                            }
+                            Ok(())
                         }
-                    }
-                    // A newer connection of the same pod replaced this one.
-                    Err(RegistryError::NotRegistered(_)) => {
-                        close(conn, CloseReason::Shutdown, "replaced by a newer connection");
-                        return Ok(());
+                        SidecarMessage::Goodbye(g) => {
+                            info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
+                            return Ok(());
+                        }
+                        SidecarMessage::Hello(_) => {
+                            close(conn, CloseReason::ProtocolViolation, "second Hello");
+                            return Ok(());
+                        }
+                    };
+                    match applied {
+                        Ok(()) => {}
+                        Err(RegistryError::Filter(e)) => {
+                            // The filter was dropped: ask for a whole one, once until it arrives.
+                            if !resync_sent {
+                                warn!(error = %e, "filter out of step, requesting a snapshot");
+                                send.send(&RouterMessage::ResyncRequest).await?;
+                                resync_sent = true;
+                            }
+                        }
+                        // A newer connection of the same pod replaced this one.
+                        Err(RegistryError::NotRegistered(_)) => {
+                            close(conn, CloseReason::Shutdown, "replaced by a newer connection");
+                            return Ok(());
+                        }
                     }
                 }
             }

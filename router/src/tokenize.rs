@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-use kvsight_protocol::tokenizer::{
-    ChatExtras, ChatMessage, Dialect, ModelTokenizer, TokenizerError,
-};
+use kvsight_protocol::tokenizer::{ChatRequest, Dialect, ModelTokenizer, TokenizerError};
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
 
 /// Characters per pseudo-token in approximate mode: about one real token of English text.
@@ -295,30 +293,12 @@ impl PromptTokenizer for ModelTokenizer {
     }
 
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
-        let messages: Vec<ChatMessage> = body
-            .get("messages")
-            .cloned()
-            .map(serde_json::from_value)
-            .transpose()
-            .map_err(|e| TokenizeError::Invalid(format!("`messages`: {e}")))?
-            .ok_or_else(|| TokenizeError::Invalid("`messages` is required".into()))?;
-        let flag = |k: &str, default: bool| body.get(k).and_then(Value::as_bool).unwrap_or(default);
-        let list = |k: &str| body.get(k).and_then(Value::as_array).cloned();
-        let extras = ChatExtras {
-            tools: list("tools"),
-            documents: list("documents"),
-            template_kwargs: body
-                .get("chat_template_kwargs")
-                .and_then(Value::as_object)
-                .cloned()
-                .unwrap_or_default(),
-            continue_final_message: flag("continue_final_message", false),
-        };
+        let chat = ChatRequest::from_body(body).map_err(tok_err)?;
         ModelTokenizer::encode_chat(
             self,
-            &messages,
-            flag("add_generation_prompt", true),
-            &extras,
+            &chat.messages,
+            chat.add_generation_prompt,
+            &chat.extras,
         )
         .map_err(tok_err)
     }
@@ -359,21 +339,6 @@ pub fn model_tokenizer(files: &TokenizerFiles) -> Result<Arc<dyn PromptTokenizer
 /// The loader the binary uses.
 pub fn default_loader() -> TokenizerLoader {
     Arc::new(model_tokenizer)
-}
-
-/// Reads a local tokenizer folder (`tokenizer.json`, optional `tokenizer_config.json` and
-/// `chat_template.jinja`).
-pub fn read_dir(dir: &std::path::Path) -> std::io::Result<TokenizerFiles> {
-    let opt = |name: &str| match std::fs::read(dir.join(name)) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
-    };
-    Ok(TokenizerFiles {
-        tokenizer_json: std::fs::read(dir.join("tokenizer.json"))?,
-        tokenizer_config: opt("tokenizer_config.json")?,
-        chat_template: opt("chat_template.jinja")?,
-    })
 }
 
 /// What the scheduler gets for a prompt.

@@ -218,7 +218,7 @@ async fn tokenize_answers_locally_with_the_models_tokenizer() {
             return;
         }
     };
-    let files = kvsight_router::tokenize::read_dir(&dir).unwrap();
+    let files = kvsight_transport::tokenizer_dir::read(&dir).unwrap();
     let direct = kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(
         &files.tokenizer_json,
         files.tokenizer_config.as_deref(),

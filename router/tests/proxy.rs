@@ -165,6 +165,20 @@ async fn assert_metrics_contain(router: &str, line: &str) {
     assert!(m.contains(line), "{m}");
 }
 
+/// The `kvsight_router_requests_total` samples, label sets only (every value must be 1 here:
+/// a request is counted once however many attempts it took).
+async fn requests_counted(router: &str) -> Vec<String> {
+    let m = metrics(router).await;
+    m.lines()
+        .filter_map(|l| l.strip_prefix("kvsight_router_requests_total"))
+        .map(|l| {
+            let (labels, value) = l.rsplit_once(' ').unwrap();
+            assert_eq!(value, "1", "{m}");
+            labels.to_owned()
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn sse_passes_through_chunk_by_chunk_with_request_id_and_unchanged_body() {
     let (st, router, tx, mut seen) = router_with_streaming_pod(RouterConfig::default()).await;
@@ -292,6 +306,12 @@ async fn a_refused_connection_is_retried_once_on_another_pod() {
         r#"kvsight_router_retries_total{reason="connect_refused"} 1"#,
     )
     .await;
+    // Counted once, under the pod that answered.
+    let counted = requests_counted(&router).await;
+    assert!(
+        matches!(&counted[..], [l] if l.contains(r#"pod="ns/b""#) && l.contains(r#"code="200""#)),
+        "{counted:?}"
+    );
     assert_eq!(inflight(&st), 0);
 }
 
@@ -305,6 +325,11 @@ async fn a_second_refusal_is_a_502_not_a_third_try() {
     assert_eq!(resp.status(), 502);
     let v = rest_json(resp).await;
     assert_eq!(v["error"]["code"], 502);
+    let counted = requests_counted(&router).await;
+    assert!(
+        matches!(&counted[..], [l] if l.contains(r#"code="502""#)),
+        "{counted:?}"
+    );
 }
 
 fn context_error() -> Value {
@@ -341,6 +366,11 @@ async fn a_context_length_400_is_resent_once_to_the_fallback_pool() {
         r#"kvsight_router_retries_total{reason="context_fallback"} 1"#,
     )
     .await;
+    let counted = requests_counted(&router).await;
+    assert!(
+        matches!(&counted[..], [l] if l.contains(r#"pool="long""#) && l.contains(r#"pod="ns/large""#) && l.contains(r#"code="200""#)),
+        "{counted:?}"
+    );
 }
 
 #[tokio::test]

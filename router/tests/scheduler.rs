@@ -10,9 +10,12 @@ use std::time::{Duration, Instant};
 use kvsight_protocol::bloom::{CountingFilter, FilterParams};
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
-use kvsight_router::config::{PoolConfig, SchedulerConfig};
+use kvsight_router::config::{PoolConfig, RouterConfig, SchedulerConfig};
 use kvsight_router::pods::{ConnId, Registry};
-use kvsight_router::scheduler::{PickError, PickRequest, PromptHashes, Scheduler, cached_tokens};
+use kvsight_router::scheduler::scorers::ScorerKind;
+use kvsight_router::scheduler::{
+    Decision, PickError, PickRequest, PromptHashes, Scheduler, cached_tokens,
+};
 
 use common::MODEL;
 
@@ -438,6 +441,60 @@ fn lora_requests_gather_where_the_adapter_is_loaded_and_salt_separates_chains() 
         (d.pod.as_str(), d.matched_blocks, d.predicted_cached_tokens),
         ("ns/pod-0", 4, 48)
     );
+}
+
+/// Every weight in the config file reaches its own scorer: raising one kind's weight (written
+/// under its config key) by 2 raises the pick's total by twice that scorer's value and changes no
+/// scorer's value, for every kind. A weight joined to no scorer (a renamed scorer) would leave
+/// the total where it was.
+#[test]
+fn every_weight_in_the_config_reaches_its_scorer() {
+    let decide = |raised: Option<ScorerKind>| -> Decision {
+        let weights: Vec<String> = ScorerKind::ALL
+            .iter()
+            .map(|&k| format!("{}: {}", k.key(), if raised == Some(k) { 3 } else { 1 }))
+            .collect();
+        let yaml = format!("scheduler: {{weights: {{{}}}}}", weights.join(", "));
+        let cfg = RouterConfig::from_yaml(&yaml).unwrap();
+        let s = Scheduler::new(&cfg.scheduler);
+        // One pod, so every scorer has a value that can move the total: a first request
+        // leaves the pod the prefix's home and 3 of the second prompt's 12 blocks pending.
+        let mut c = Cluster::new(1, true);
+        let base = prompt(31, 200);
+        let mut first = base[..3 * BS as usize].to_vec();
+        first.extend(prompt(32, 100));
+        c.pick(&s, &first).unwrap();
+        c.settle();
+        c.report(0, load(0, 0, 0.4));
+        s.pick(&mut c.reg, &req(&base), c.now).unwrap()
+    };
+    let base = decide(None);
+    assert_eq!(
+        base.scores.len(),
+        ScorerKind::ALL.len(),
+        "{:?}",
+        base.scores
+    );
+    for kind in ScorerKind::ALL {
+        let value = base
+            .scores
+            .iter()
+            .find(|(k, _)| *k == kind.key())
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("{kind:?} is reported: {:?}", base.scores));
+        assert!(value > 0.0, "{kind:?} contributes on this cluster");
+        let raised = decide(Some(kind));
+        assert_eq!(raised.scores, base.scores, "{kind:?}: the values stay");
+        let gained = raised.total - base.total;
+        assert!(
+            (gained - 2.0 * value).abs() < 1e-9,
+            "{kind:?}: weight +2 adds {gained}, its value is {value}"
+        );
+    }
+    // The values differ where they can, so a weight joined to another kind's scorer shows too.
+    let value = |k: &str| base.scores.iter().find(|(n, _)| *n == k).unwrap().1;
+    assert_eq!(value("prefix"), 0.25);
+    assert!((value("kvCache") - 0.6).abs() < 1e-6);
 }
 
 #[test]

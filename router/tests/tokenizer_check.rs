@@ -14,13 +14,14 @@ use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::tokenizer::Dialect;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
-use kvsight_router::tokenize::{Verdict, model_tokenizer, read_dir};
+use kvsight_router::tokenize::{Verdict, model_tokenizer};
 use kvsight_router::tokenizer_check::check_pending;
 use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, WAIT, eventually};
 use kvsight_testbed::sim::engine::EngineConfig;
 use kvsight_testbed::sim::server::{
     SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles,
 };
+use kvsight_transport::tokenizer_dir::read as read_dir;
 use serde_json::{Value, json};
 
 use common::*;

@@ -92,13 +92,14 @@ pub async fn run_with(
         _ => None,
     };
 
-    let stop = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    let result = start_and_serve(
-        listeners, &config, &shutdown, &stop, &tracker, &shared, tls, plan_file,
-    )
-    .await;
+    let tasks = Tasks {
+        stop: CancellationToken::new(),
+        tracker: TaskTracker::new(),
+    };
+    let checked = Checked { tls, plan_file };
+    let result = start_and_serve(listeners, &config, &shared, &shutdown, &tasks, checked).await;
     // Serve HTTP until the end so probes see Draining; then stop everything, bounded.
+    let Tasks { stop, tracker } = tasks;
     stop.cancel();
     tracker.close();
     if tokio::time::timeout(STOP_GRACE, tracker.wait())
@@ -110,17 +111,33 @@ pub async fn run_with(
     result
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What [`run_with`] read and checked before any work starts (a bad file fails the start
+/// before vLLM is even asked).
+struct Checked {
+    tls: Option<TlsMaterial>,
+    /// The warm-up plan, when it comes from a file.
+    plan_file: Option<Vec<warmup::WarmupStep>>,
+}
+
+/// The tasks [`start_and_serve`] spawns: [`run_with`] cancels `stop` and waits on `tracker`,
+/// bounded, once it returns.
+struct Tasks {
+    stop: CancellationToken,
+    tracker: TaskTracker,
+}
+
+/// Starts the HTTP server, waits for vLLM, subscribes, publishes, warms up, reports Ready, and
+/// drains when `shutdown` is cancelled.
 async fn start_and_serve(
     listeners: Listeners,
     config: &Config,
-    shutdown: &CancellationToken,
-    stop: &CancellationToken,
-    tracker: &TaskTracker,
     shared: &Arc<Shared>,
-    tls: Option<TlsMaterial>,
-    plan_file: Option<Vec<warmup::WarmupStep>>,
+    shutdown: &CancellationToken,
+    tasks: &Tasks,
+    checked: Checked,
 ) -> Result<(), RunError> {
+    let Tasks { stop, tracker } = tasks;
+    let Checked { tls, plan_file } = checked;
     let http = listeners.http;
     {
         let app = server::app(Arc::clone(shared));
@@ -208,13 +225,14 @@ async fn start_and_serve(
             .map(std::path::PathBuf::from)
             .filter(|p| p.is_dir())
     });
-    let tokenizer = tokenizer_dir.and_then(|dir| match publisher::load_tokenizer(&dir) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!(dir = %dir.display(), error = %e, "no tokenizer to hand out");
-            None
-        }
-    });
+    let tokenizer =
+        tokenizer_dir.and_then(|dir| match kvsight_transport::tokenizer_dir::read(&dir) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "no tokenizer to hand out");
+                None
+            }
+        });
     let hello = Hello {
         protocol_version: PROTOCOL_VERSION,
         instance_id: instance_id(),

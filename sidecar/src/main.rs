@@ -49,18 +49,13 @@ fn main() -> ExitCode {
 
 async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM right after the port is announced must drain, not kill.
-    let terminated = kvsight_transport::signal::termination();
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    kvsight_transport::signal::on_termination(move || signal.cancel());
     let http = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
     tracing::info!(listen = %http.local_addr()?, "health and metrics");
-    let shutdown = CancellationToken::new();
-    let signals = shutdown.clone();
-    tokio::spawn(async move {
-        terminated.await;
-        tracing::info!("termination signal: draining");
-        signals.cancel();
-    });
     run(Listeners { http }, config, shutdown).await?;
     Ok(())
 }

@@ -14,7 +14,6 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -58,21 +57,6 @@ pub enum PublishError {
     Closed,
     #[error("timed out waiting for {0}")]
     Timeout(&'static str),
-}
-
-/// Reads a tokenizer directory: `tokenizer.json` (required), `tokenizer_config.json` and
-/// `chat_template.jinja` (optional).
-pub fn load_tokenizer(dir: &Path) -> std::io::Result<TokenizerFiles> {
-    let optional = |name: &str| match std::fs::read(dir.join(name)) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
-    };
-    Ok(TokenizerFiles {
-        tokenizer_json: std::fs::read(dir.join("tokenizer.json"))?,
-        tokenizer_config: optional("tokenizer_config.json")?,
-        chat_template: optional("chat_template.jinja")?,
-    })
 }
 
 /// What every connection shares.

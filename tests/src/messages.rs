@@ -5,9 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kvsight_protocol::messages::{
-    CacheView, EngineFacts, Hello, Load, PROTOCOL_VERSION, Phase, PodIdentity,
-};
+use kvsight_protocol::messages::{EngineFacts, Hello, Load, PROTOCOL_VERSION, PodIdentity};
 
 /// The model every sample pod serves.
 pub const MODEL: &str = "m";
@@ -50,20 +48,5 @@ pub fn hello(name: &str, url: &str) -> Hello {
 
 /// A fresh report of a Ready pod with nothing running, nothing waiting and an empty cache.
 pub fn idle_load() -> Load {
-    Load {
-        seq: 1,
-        sample_age_ms: 0,
-        phase: Phase::Ready,
-        cache_view: CacheView::Exact,
-        running: 0,
-        waiting: 0,
-        kv_usage: 0.0,
-        unrouted: 0,
-        prefix_cache_queries: 0,
-        prefix_cache_hits: 0,
-        preemptions: 0,
-        prefill_tokens_per_s: None,
-        lora_running: vec![],
-        lora_waiting: vec![],
-    }
+    Load::idle()
 }

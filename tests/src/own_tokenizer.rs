@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvsight_protocol::splitmix::SplitMix64;
 use tokenizers::models::TrainerWrapper;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -88,21 +89,17 @@ pub struct OwnTokenizerFiles {
 /// A tiny seeded generator (SplitMix64): the corpus must be identical on every machine and
 /// every run, independent of any RNG crate's version.
 #[derive(Clone, Debug)]
-pub struct SeededRng(u64);
+pub struct SeededRng(SplitMix64);
 
 impl SeededRng {
     /// A generator starting at `seed`.
     pub fn new(seed: u64) -> Self {
-        Self(seed)
+        Self(SplitMix64::new(seed))
     }
 
     /// Next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (n > 0; the tiny modulo bias is irrelevant here).

@@ -17,9 +17,10 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 #[test]
-fn training_is_deterministic_fast_and_pinned() {
+fn training_is_deterministic_and_pinned() {
     let start = Instant::now();
     let first = own_tokenizer::build().expect("train");
+    // Printed, not asserted: the time on a shared 2-core CI machine says little.
     let elapsed = start.elapsed();
     eprintln!("own tokenizer trained in {elapsed:?}");
     let second = own_tokenizer::build().expect("train again");

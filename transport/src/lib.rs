@@ -11,6 +11,7 @@ pub mod files;
 pub mod signal;
 mod stream;
 mod tls;
+pub mod tokenizer_dir;
 
 #[cfg(feature = "dev-certs")]
 pub mod dev_certs;

@@ -47,3 +47,16 @@ pub fn termination() -> impl Future<Output = ()> + Send + 'static {
         }
     }
 }
+
+/// Runs `then` once, on the first termination signal (see [`termination`]), from a task of its
+/// own: the one wiring of a signal to a drain that both binaries use. The handlers are
+/// installed by this call, so call it before binding a port. Must be called within a tokio
+/// runtime.
+pub fn on_termination(then: impl FnOnce() + Send + 'static) {
+    let terminated = termination();
+    tokio::spawn(async move {
+        terminated.await;
+        tracing::info!("termination signal: draining");
+        then();
+    });
+}

@@ -12,7 +12,7 @@
 
 use std::sync::OnceLock;
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, MessageContent, ModelTokenizer};
+use kvsight_protocol::tokenizer::{ChatMessage, ChatRequest, MessageContent, ModelTokenizer};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use tokenizers::models::TrainerWrapper;
@@ -95,24 +95,6 @@ fn setup() -> &'static Setup {
     })
 }
 
-/// The request as the router's `PromptTokenizer::encode_chat` reads it.
-fn read(body: &Value) -> Option<(Vec<ChatMessage>, bool, ChatExtras)> {
-    let messages: Vec<ChatMessage> = serde_json::from_value(body.get("messages")?.clone()).ok()?;
-    let flag = |k: &str, default: bool| body.get(k).and_then(Value::as_bool).unwrap_or(default);
-    let list = |k: &str| body.get(k).and_then(Value::as_array).cloned();
-    let extras = ChatExtras {
-        tools: list("tools"),
-        documents: list("documents"),
-        template_kwargs: body
-            .get("chat_template_kwargs")
-            .and_then(Value::as_object)
-            .cloned()
-            .unwrap_or_default(),
-        continue_final_message: flag("continue_final_message", false),
-    };
-    Some((messages, flag("add_generation_prompt", true), extras))
-}
-
 /// What ChatML renders, when every message's content is plain text (or absent).
 fn chatml_by_hand(messages: &[ChatMessage], add_generation_prompt: bool) -> Option<String> {
     let mut out = String::new();
@@ -144,7 +126,12 @@ fuzz_target!(|data: &[u8]| {
     let Ok(body) = serde_json::from_slice::<Value>(data) else {
         return;
     };
-    let Some((messages, gen_prompt, extras)) = read(&body) else {
+    let Ok(ChatRequest {
+        messages,
+        add_generation_prompt: gen_prompt,
+        extras,
+    }) = ChatRequest::from_body(&body)
+    else {
         return;
     };
     let s = setup();

@@ -29,7 +29,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use super::{FullPipeline, LONG_WHITESPACE_RUN, TokenizerError, WordSink};
+use super::{FullPipeline, LONG_WHITESPACE_RUN, TokenizerError, WordSink, Words};
 
 /// The one alternative the `regex` engine cannot run; [`SplitFastPath::lookahead_at`] runs it.
 const LOOKAHEAD: &str = r"\s+(?!\S)";
@@ -89,7 +89,7 @@ impl SplitFastPath {
         &self,
         split: &str,
         emit: &mut WordSink<'_>,
-    ) -> Result<Result<(), FullPipeline>, TokenizerError> {
+    ) -> Result<Words, TokenizerError> {
         let mut word = String::new();
         self.for_each_piece(split, |piece| {
             self.alphabet.write(piece, &mut word);
@@ -103,17 +103,17 @@ impl SplitFastPath {
         &self,
         text: &str,
         mut f: impl FnMut(&str) -> Result<(), TokenizerError>,
-    ) -> Result<Result<(), FullPipeline>, TokenizerError> {
+    ) -> Result<Words, TokenizerError> {
         let mut start = 0;
         while start < text.len() {
             let end = match self.match_at(text, start) {
                 Ok(Some(end)) => end,
-                Ok(None) | Err(FullPipeline) => return Ok(Err(FullPipeline)),
+                Ok(None) | Err(FullPipeline) => return Ok(Words::HandedOver),
             };
             f(&text[start..end])?;
             start = end;
         }
-        Ok(Ok(()))
+        Ok(Words::Emitted)
     }
 
     /// Where the pattern's match at `start` ends: the first alternative that matches wins.
@@ -534,7 +534,7 @@ mod tests {
                 Ok(())
             })
             .expect("split");
-        done.ok().map(|()| out)
+        (done == Words::Emitted).then_some(out)
     }
 
     /// The pieces the crate's own `Split` cuts `text` into.

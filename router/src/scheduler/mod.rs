@@ -2,15 +2,21 @@
 //! explainable (each scorer's value, the margin over the runner-up, the predicted cached tokens).
 //!
 //! One trait per extension point ([`Filter`], [`Scorer`]) and one file per implementation;
-//! [`Scheduler::new`] is the factory that turns the config's weights into the scorer set.
+//! [`scorers::ScorerKind`] names every scorer once (its config key, default weight and
+//! implementation) and [`Scheduler::new`] turns the config's weights into the scorer set.
+//!
+//! The files: this one holds the types and [`Scheduler::pick`] (filters, saturation, the
+//! winner recorded); `saturation.rs` the saturation rule; `search.rs` the ranking of the open
+//! candidates; `prompt_hashes.rs` the prompt's block-hash chains, computed before the registry
+//! lock is taken.
 //!
 //! Only the winner's and the runner-up's cache matches are needed exactly (the decision reports
-//! the winner's values and the margin over the runner-up), so the scheduler searches
+//! the winner's values and the margin over the runner-up), so the ranking searches
 //! branch-and-bound: every score that ignores the match is computed first, each pod gets an upper
 //! bound (its whole chain cached), and pods are matched against their Bloom filters in order of
 //! that bound until no unmatched pod can reach the top two. Each match it does compute is the
 //! plain linear scan, so every reported value is exactly what matching every pod would give
-//! (`tests/scheduler.rs` compares the two on random clusters).
+//! (`scheduler/tests.rs` compares the two on random clusters).
 //!
 //! Prefix caching off: when no candidate pod caches prefixes, the prefix, KV and latency scorers
 //! carry no signal worth following, so the scheduler uses least-request scoring (queue and
@@ -18,19 +24,22 @@
 //! shared-prompt traffic onto one pod here; this one spreads it.
 
 pub mod filters;
+mod prompt_hashes;
 pub mod saturation;
 pub mod scorers;
+mod search;
 #[cfg(test)]
 mod tests;
 
 use std::time::Instant;
 
-use kvsight_protocol::bloom::{FilterParams, PreparedChain};
-use kvsight_protocol::hash::{ChainSeed, hash_chain};
-
 use crate::config::{PoolConfig, SchedulerConfig};
 use crate::pods::{Picked, Pod, Projection, Registry};
+use filters::Rejection;
+pub use prompt_hashes::{HashPlan, PromptHashes};
 use saturation::{Fleet, Pressure};
+use scorers::ScorerKind;
+use search::RankFn;
 
 /// What the scheduler needs to know about a request.
 #[derive(Debug, Clone, Copy)]
@@ -98,16 +107,14 @@ impl Candidate<'_> {
     }
 }
 
-/// A filter: may this pod take the request?
+/// A filter: may this pod take the request? `Err` says why not.
 pub trait Filter: Send + Sync {
-    fn name(&self) -> &'static str;
-    fn keep(&self, ctx: &Ctx<'_>, c: &Candidate<'_>) -> bool;
+    fn check(&self, ctx: &Ctx<'_>, c: &Candidate<'_>) -> Result<(), Rejection>;
 }
 
-/// A scorer: one value in 0 – 1 per candidate, higher is better.
+/// A scorer: one value in 0 – 1 per candidate, higher is better. Its name and weight belong
+/// to its [`ScorerKind`].
 pub trait Scorer: Send + Sync {
-    /// The weight's name in the config.
-    fn name(&self) -> &'static str;
     /// How the values depend on the candidates' cache matches; decides how much of the match
     /// the scheduler must compute. The default is the safe one: every match, exactly.
     fn match_use(&self) -> MatchUse {
@@ -147,7 +154,8 @@ pub struct Decision {
     pub total: f64,
     /// Total of the winner minus the runner-up's (0 when alone).
     pub margin: f64,
-    /// Each weighted scorer's raw value for the winner.
+    /// Each weighted scorer's raw value for the winner, by its config key
+    /// ([`ScorerKind::key`]).
     pub scores: Vec<(&'static str, f64)>,
     /// Prompt tokens the pod is predicted to find in its cache.
     pub predicted_cached_tokens: u32,
@@ -168,7 +176,14 @@ pub struct Decision {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     hard: Vec<Box<dyn Filter>>,
-    scorers: Vec<(Box<dyn Scorer>, f64)>,
+    scorers: Vec<Weighted>,
+}
+
+/// A scorer the config gave a weight.
+struct Weighted {
+    kind: ScorerKind,
+    scorer: Box<dyn Scorer>,
+    weight: f64,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -179,36 +194,18 @@ impl std::fmt::Debug for Scheduler {
     }
 }
 
-/// Blocks between the probes that bound a pod's match before the search: shorter tightens the
-/// bounds (fewer pods matched in full) at more probes per pod where the chain is cached.
-const BOUND_STRIDE: usize = 32;
-
-/// Scorers that least-request scoring keeps.
-const LEAST_REQUEST: [&str; 3] = ["queue", "runningRequests", "lru"];
-
 impl Scheduler {
     /// The factory: every scorer with a non-zero weight, in config order.
     pub fn new(cfg: &SchedulerConfig) -> Self {
-        let all: Vec<Box<dyn Scorer>> = vec![
-            Box::new(scorers::Prefix),
-            Box::new(scorers::Queue),
-            Box::new(scorers::KvCache),
-            Box::new(scorers::RunningRequests),
-            Box::new(scorers::LoraAffinity),
-            Box::new(scorers::PredictedLatency),
-            Box::new(scorers::Lmetric),
-            Box::new(scorers::Affinity),
-            Box::new(scorers::Lru),
-        ];
-        let weights = cfg.weights.effective();
-        let scorers = all
+        let scorers = ScorerKind::ALL
             .into_iter()
-            .filter_map(|s| {
-                let w = weights
-                    .iter()
-                    .find(|(n, _)| *n == s.name())
-                    .map_or(0.0, |(_, w)| *w);
-                (w > 0.0).then_some((s, w))
+            .filter_map(|kind| {
+                let weight = cfg.weights.effective(kind);
+                (weight > 0.0).then(|| Weighted {
+                    kind,
+                    scorer: kind.scorer(),
+                    weight,
+                })
             })
             .collect();
         Scheduler {
@@ -253,38 +250,6 @@ impl Scheduler {
         self.pick_ranked_by(reg, req, hashes, now, Self::rank)
     }
 
-    /// What hashing `req` needs from the registry: the chain's seed (a model that some pod serves
-    /// as a LoRA adapter hashes under the adapter's name) and the block sizes and filter shapes of
-    /// the pods serving it. Cheap: one pass over the pods, no hashing.
-    pub fn hash_plan<'r>(reg: &Registry, req: &PickRequest<'r>) -> HashPlan<'r> {
-        let mut shapes: Vec<(u32, Option<FilterParams>)> = Vec::new();
-        for pod in reg.pods().filter(|p| p.serves(req.model)) {
-            let bs = pod.hello.engine.block_size.max(1);
-            let params = pod
-                .filter
-                .as_ref()
-                .filter(|_| pod.hello.engine.prefix_caching)
-                .map(|f| f.params());
-            if !shapes.contains(&(bs, params)) {
-                shapes.push((bs, params));
-            }
-        }
-        HashPlan {
-            seed: Self::seed(reg, req),
-            shapes,
-        }
-    }
-
-    fn seed<'r>(reg: &Registry, req: &PickRequest<'r>) -> ChainSeed<'r> {
-        ChainSeed {
-            lora: reg
-                .pods()
-                .any(|p| p.is_lora(req.model))
-                .then_some(req.model),
-            cache_salt: req.cache_salt,
-        }
-    }
-
     /// [`Self::pick_prepared`] with the ranking of the open candidates given: the unit tests swap
     /// in the plain one (every match computed, then sorted) as the reference.
     fn pick_ranked_by<'r>(
@@ -296,17 +261,7 @@ impl Scheduler {
         rank: RankFn,
     ) -> Result<Decision, PickError> {
         let seed = Self::seed(reg, req);
-        let same_tokens = match (m.tokens, req.tokens) {
-            (Some(a), Some(b)) => std::ptr::eq(a, b),
-            (a, b) => a.is_none() && b.is_none(),
-        };
-        if m.seed != seed || !same_tokens {
-            *m = PromptHashes {
-                seed,
-                tokens: req.tokens,
-                ..PromptHashes::default()
-            };
-        }
+        m.keep_only_for(seed, req.tokens);
         let ctx = Ctx {
             req,
             cfg: &self.cfg,
@@ -322,12 +277,12 @@ impl Scheduler {
         // their block size and prepare it for their filter shape, under the lock, for nothing.
         for pod in reg.pods().filter(|p| p.serves(req.model)) {
             let cand = m.candidate(pod, req);
-            // Filters run in order (serves, ready, window): failing the window means the pod
-            // serves the model and is ready.
-            match self.hard.iter().find(|f| !f.keep(&ctx, &cand)) {
-                None => eligible.push(cand),
-                Some(f) if f.name() == "fits_window" => too_long = true,
-                Some(_) => {}
+            // Filters run in order (serves, ready, window): a pod refused as too long serves
+            // the model and is ready.
+            match self.hard.iter().try_for_each(|f| f.check(&ctx, &cand)) {
+                Ok(()) => eligible.push(cand),
+                Err(Rejection::TooLong) => too_long = true,
+                Err(Rejection::OtherModel | Rejection::NotReady | Rejection::Excluded) => {}
             }
         }
         if eligible.is_empty() {
@@ -395,10 +350,10 @@ impl Scheduler {
             open.append(&mut full);
         }
         let (winner, total, margin, scores) = {
-            let used: Vec<&(Box<dyn Scorer>, f64)> = self
+            let used: Vec<&Weighted> = self
                 .scorers
                 .iter()
-                .filter(|(s, _)| !least_request || LEAST_REQUEST.contains(&s.name()))
+                .filter(|w| !least_request || w.kind.least_request())
                 .collect();
             let ranked = rank(self, &ctx, &used, &mut open, m);
             let (best, total) = ranked.best;
@@ -406,7 +361,7 @@ impl Scheduler {
             let scores = used
                 .iter()
                 .enumerate()
-                .map(|(k, (s, _))| (s.name(), ranked.values[k * open.len() + best]))
+                .map(|(k, w)| (w.kind.key(), ranked.values[k * open.len() + best]))
                 .collect();
             (&open[best], total, margin, scores)
         };
@@ -441,288 +396,6 @@ impl Scheduler {
         };
         reg.record_pick(&decision.pod, &picked, now, self.cfg.pending_ttl());
         Ok(decision)
-    }
-
-    /// Scores the open candidates and finds the best two totals (highest first, ties broken by
-    /// pod key so decisions are reproducible), computing real matches only where needed.
-    fn rank<'p>(
-        &self,
-        ctx: &Ctx<'_>,
-        used: &[&(Box<dyn Scorer>, f64)],
-        open: &mut [Candidate<'p>],
-        m: &mut PromptHashes<'_>,
-    ) -> Ranked {
-        let n = open.len();
-        let req = ctx.req;
-        if used
-            .iter()
-            .any(|(s, _)| s.match_use() == MatchUse::Relative)
-        {
-            for c in open.iter_mut() {
-                m.resolve(c, req, ctx.now);
-            }
-        }
-        // One probe each settles every pod lacking the chain's next block; the others are
-        // scored with the whole chain cached, an upper bound.
-        for c in open.iter_mut() {
-            m.bound(c, req, ctx.now, usize::MAX);
-        }
-        let mut values = vec![0.0; used.len() * n];
-        for (k, (s, _)) in used.iter().enumerate() {
-            s.scores(ctx, open, &mut values[k * n..(k + 1) * n]);
-        }
-        let total_of = |values: &[f64], i: usize| -> f64 {
-            used.iter()
-                .enumerate()
-                .map(|(k, (_, w))| w * values[k * n + i])
-                .sum()
-        };
-        let mut totals: Vec<f64> = (0..n).map(|i| total_of(&values, i)).collect();
-        // The pods outlive `open`, so their keys can be read while candidates are resolved.
-        let keys: Vec<&'p str> = open.iter().map(|c| c.pod.key.as_str()).collect();
-        let key = |i: usize| keys[i];
-        // The best two exact candidates so far, best first.
-        let mut top: [Option<usize>; 2] = [None, None];
-        let enter = |top: &mut [Option<usize>; 2], totals: &[f64], i: usize| {
-            let before = |j: usize| by_rank(totals[i], key(i), totals[j], key(j)).is_lt();
-            *top = match *top {
-                [Some(a), b] if !before(a) => match b {
-                    Some(b) if !before(b) => *top,
-                    _ => [Some(a), Some(i)],
-                },
-                [a, _] => [Some(i), a],
-            };
-        };
-        // Best bound first; a bound is tightened in two steps, each only when it could still
-        // reach the top two: sampled probes, then the full linear scan.
-        let mut heap = std::collections::BinaryHeap::with_capacity(n);
-        let mut sampled = vec![false; n];
-        // An exact candidate competes for the top two; any other waits on the heap by its bound.
-        let place = |top: &mut [Option<usize>; 2],
-                     heap: &mut std::collections::BinaryHeap<Bound<'p>>,
-                     totals: &[f64],
-                     exact: bool,
-                     i: usize| {
-            if exact {
-                enter(top, totals, i);
-            } else {
-                heap.push(Bound {
-                    total: totals[i],
-                    key: key(i),
-                    index: i,
-                });
-            }
-        };
-        for (i, c) in open.iter().enumerate() {
-            place(&mut top, &mut heap, &totals, c.exact, i);
-        }
-        while let Some(Bound {
-            total, index: i, ..
-        }) = heap.pop()
-        {
-            if let Some(j) = top[1]
-                && by_rank(total, key(i), totals[j], key(j)).is_gt()
-            {
-                break; // neither this bound nor any after it reaches the runner-up
-            }
-            if sampled[i] {
-                m.resolve(&mut open[i], req, ctx.now);
-            } else {
-                m.bound(&mut open[i], req, ctx.now, BOUND_STRIDE);
-                sampled[i] = true;
-            }
-            for (k, (s, _)) in used.iter().enumerate() {
-                if s.match_use() == MatchUse::OwnGrowing {
-                    let at = k * n + i;
-                    s.scores(ctx, std::slice::from_ref(&open[i]), &mut values[at..=at]);
-                }
-            }
-            totals[i] = total_of(&values, i);
-            place(&mut top, &mut heap, &totals, open[i].exact, i);
-        }
-        let best = top[0].expect("non-empty");
-        Ranked {
-            best: (best, totals[best]),
-            runner_up: top[1].map(|j| (j, totals[j])),
-            values,
-        }
-    }
-}
-
-/// Ranks the open candidates: see [`Scheduler::rank`].
-type RankFn = fn(
-    &Scheduler,
-    &Ctx<'_>,
-    &[&(Box<dyn Scorer>, f64)],
-    &mut [Candidate<'_>],
-    &mut PromptHashes<'_>,
-) -> Ranked;
-
-/// A candidate's upper-bound total in [`Scheduler::rank`]'s search; the heap's greatest is the
-/// one ranking first.
-struct Bound<'k> {
-    total: f64,
-    key: &'k str,
-    index: usize,
-}
-
-impl Ord for Bound<'_> {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        by_rank(self.total, self.key, other.total, other.key).reverse()
-    }
-}
-
-impl PartialOrd for Bound<'_> {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl PartialEq for Bound<'_> {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other).is_eq()
-    }
-}
-
-impl Eq for Bound<'_> {}
-
-/// `Less` when a total and pod key rank ahead of another: higher total first, then the key.
-fn by_rank(total_a: f64, key_a: &str, total_b: f64, key_b: &str) -> std::cmp::Ordering {
-    total_b.total_cmp(&total_a).then_with(|| key_a.cmp(key_b))
-}
-
-/// The best two candidates of [`Scheduler::rank`] with their totals, and every scorer's values
-/// (scorer `k`, candidate `i` at `k * n + i`; exact for the two).
-struct Ranked {
-    best: (usize, f64),
-    runner_up: Option<(usize, f64)>,
-    values: Vec<f64>,
-}
-
-/// What [`PromptHashes::new`] computes for a request: see [`Scheduler::hash_plan`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HashPlan<'s> {
-    seed: ChainSeed<'s>,
-    /// Distinct (block size, filter shape of a pod that caches prefixes) among the model's pods.
-    shapes: Vec<(u32, Option<FilterParams>)>,
-}
-
-/// A request's chains, one per block size among the pods (usually one), and their probe
-/// positions once per filter shape (pods of one model share both), so matching a pod is only
-/// memory loads.
-///
-/// Made before the registry lock is taken: hashing an 8k-token prompt costs about as much as
-/// the rest of a pick over 64 pods, and every other request waits on that lock.
-#[derive(Debug, Default)]
-pub struct PromptHashes<'s> {
-    seed: ChainSeed<'s>,
-    /// The token list the chains were hashed from (compared by address: a pick given hashes of
-    /// another list, even an equal one, recomputes them).
-    tokens: Option<&'s [u32]>,
-    chains: Vec<(u32, Vec<u64>)>,
-    prepared: Vec<(u32, FilterParams, PreparedChain)>,
-}
-
-impl<'s> PromptHashes<'s> {
-    /// Hashes `tokens` for every shape in `plan`; a pick uses them for a request with this very
-    /// token list (the same slice) only.
-    pub fn new(plan: &HashPlan<'s>, tokens: Option<&'s [u32]>) -> Self {
-        let mut h = PromptHashes {
-            seed: plan.seed,
-            tokens,
-            ..PromptHashes::default()
-        };
-        for &(bs, params) in &plan.shapes {
-            let i = h.chain_index(bs, tokens);
-            if let Some(params) = params {
-                h.prepared_index(i, params);
-            }
-        }
-        h
-    }
-
-    /// The chain at block size `bs`, hashed when first asked for.
-    fn chain_index(&mut self, bs: u32, tokens: Option<&[u32]>) -> usize {
-        match self.chains.iter().position(|(b, _)| *b == bs) {
-            Some(i) => i,
-            None => {
-                let chain = tokens
-                    .map(|t| hash_chain(&self.seed, t, bs as usize))
-                    .unwrap_or_default();
-                self.chains.push((bs, chain));
-                self.chains.len() - 1
-            }
-        }
-    }
-
-    /// Chain `chain_index`'s probe positions for filter shape `params`, computed when first
-    /// asked for.
-    fn prepared_index(&mut self, chain_index: usize, params: FilterParams) -> usize {
-        let (bs, chain) = &self.chains[chain_index];
-        match self
-            .prepared
-            .iter()
-            .position(|(b, p, _)| b == bs && *p == params)
-        {
-            Some(i) => i,
-            None => {
-                self.prepared.push((*bs, params, params.prepare(chain)));
-                self.prepared.len() - 1
-            }
-        }
-    }
-
-    /// `pod` as a candidate assuming nothing cached; exact already when it caches nothing.
-    fn candidate<'p>(&mut self, pod: &'p Pod, req: &PickRequest<'_>) -> Candidate<'p> {
-        let bs = pod.hello.engine.block_size.max(1);
-        let chain_index = self.chain_index(bs, req.tokens);
-        let chain_len = self.chains[chain_index].1.len();
-        let caching = pod.hello.engine.prefix_caching;
-        let prepared_index = match &pod.filter {
-            Some(f) if caching && chain_len > 0 => {
-                Some(self.prepared_index(chain_index, f.params()))
-            }
-            _ => None,
-        };
-        let mut c = Candidate {
-            pod,
-            projection: pod.projection(),
-            chain_len,
-            matched_blocks: 0,
-            uncached_tokens: 0,
-            new_blocks: 0,
-            first_block: self.chains[chain_index].1.first().copied(),
-            chain_index,
-            prepared_index,
-            exact: !caching,
-        };
-        c.set_match(0, req.prompt_tokens);
-        c
-    }
-
-    /// Sets the candidate's match to an upper bound of its real match, from probes every
-    /// `stride` blocks; the real match when the bound proves it.
-    fn bound(&self, c: &mut Candidate<'_>, req: &PickRequest<'_>, now: Instant, stride: usize) {
-        if c.exact {
-            return;
-        }
-        let chain = &self.chains[c.chain_index].1;
-        let prepared = c.prepared_index.map(|i| &self.prepared[i].2);
-        let (lo, hi) = c.pod.matched_bounds(chain, prepared, now, stride);
-        c.set_match(hi, req.prompt_tokens);
-        c.exact = lo == hi;
-    }
-
-    /// Computes the candidate's real match (pending chains, then the filter's linear scan).
-    fn resolve(&self, c: &mut Candidate<'_>, req: &PickRequest<'_>, now: Instant) {
-        if c.exact {
-            return;
-        }
-        let chain = &self.chains[c.chain_index].1;
-        let prepared = c.prepared_index.map(|i| &self.prepared[i].2);
-        let matched = c.pod.matched_blocks(chain, prepared, now);
-        c.set_match(matched, req.prompt_tokens);
-        c.exact = true;
     }
 }
 

@@ -12,6 +12,7 @@ use kvsight_protocol::messages::*;
 use proptest::collection::vec;
 use proptest::prelude::*;
 
+use super::search::Ranked;
 use super::*;
 use crate::config::SchedulerConfig;
 
@@ -19,7 +20,7 @@ use crate::config::SchedulerConfig;
 fn plain_rank(
     _sched: &Scheduler,
     ctx: &Ctx<'_>,
-    used: &[&(Box<dyn Scorer>, f64)],
+    used: &[&Weighted],
     open: &mut [Candidate<'_>],
     m: &mut PromptHashes<'_>,
 ) -> Ranked {
@@ -28,14 +29,14 @@ fn plain_rank(
     }
     let n = open.len();
     let mut values = vec![0.0; used.len() * n];
-    for (k, (s, _)) in used.iter().enumerate() {
-        s.scores(ctx, open, &mut values[k * n..(k + 1) * n]);
+    for (k, w) in used.iter().enumerate() {
+        w.scorer.scores(ctx, open, &mut values[k * n..(k + 1) * n]);
     }
     let totals: Vec<f64> = (0..n)
         .map(|i| {
             used.iter()
                 .enumerate()
-                .map(|(k, (_, w))| w * values[k * n + i])
+                .map(|(k, w)| w.weight * values[k * n + i])
                 .sum()
         })
         .collect();

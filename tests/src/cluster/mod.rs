@@ -250,11 +250,6 @@ impl SidecarHandle {
             }),
         }
     }
-
-    /// The process vanishes without a Goodbye (crash, OOM kill).
-    pub fn kill(self) {
-        self.task.abort();
-    }
 }
 
 /// One pod: the simulator and its sidecar.
@@ -366,11 +361,6 @@ impl Cluster {
             cluster.add_pod(spec).await?;
         }
         Ok(cluster)
-    }
-
-    /// The folder holding certificates and the routers' config file.
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
     }
 
     /// The routers' config file.

@@ -1,3 +1,4 @@
+use super::Rejection;
 use crate::scheduler::{Candidate, Ctx, Filter};
 use kvsight_protocol::messages::Phase;
 
@@ -7,13 +8,13 @@ use kvsight_protocol::messages::Phase;
 pub struct Ready;
 
 impl Filter for Ready {
-    fn name(&self) -> &'static str {
-        "ready"
-    }
-
-    fn keep(&self, ctx: &Ctx<'_>, c: &Candidate<'_>) -> bool {
-        c.pod.phase() == Phase::Ready
-            && !c.pod.is_stale(ctx.now)
-            && !ctx.req.exclude.iter().any(|k| k == &c.pod.key)
+    fn check(&self, ctx: &Ctx<'_>, c: &Candidate<'_>) -> Result<(), Rejection> {
+        if c.pod.phase() != Phase::Ready || c.pod.is_stale(ctx.now) {
+            Err(Rejection::NotReady)
+        } else if ctx.req.exclude.iter().any(|k| k == &c.pod.key) {
+            Err(Rejection::Excluded)
+        } else {
+            Ok(())
+        }
     }
 }

@@ -13,10 +13,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct Affinity;
 
 impl Scorer for Affinity {
-    fn name(&self) -> &'static str {
-        "affinity"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::Ignores
     }

@@ -7,10 +7,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct KvCache;
 
 impl Scorer for KvCache {
-    fn name(&self) -> &'static str {
-        "kvCache"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::Ignores
     }

@@ -16,10 +16,6 @@ impl Lmetric {
 }
 
 impl Scorer for Lmetric {
-    fn name(&self) -> &'static str {
-        "lmetric"
-    }
-
     // Normalised across the candidates: `MatchUse::Relative` (the default).
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
         lower_is_better(cands, Self::value, out);

@@ -6,10 +6,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct LoraAffinity;
 
 impl Scorer for LoraAffinity {
-    fn name(&self) -> &'static str {
-        "loraAffinity"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::Ignores
     }

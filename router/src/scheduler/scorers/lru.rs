@@ -5,10 +5,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct Lru;
 
 impl Scorer for Lru {
-    fn name(&self) -> &'static str {
-        "lru"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::Ignores
     }

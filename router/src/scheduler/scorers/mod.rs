@@ -24,7 +24,95 @@ pub use prefix::Prefix;
 pub use queue::Queue;
 pub use running_requests::RunningRequests;
 
-use crate::scheduler::Candidate;
+use crate::scheduler::{Candidate, Scorer};
+
+/// Every scorer the scheduler knows. A kind owns its weight's key in the config file
+/// (`scheduler.weights.<key>`), its default weight and its implementation, so the config, the
+/// factory and the decision header cannot disagree on a name: adding a kind without a weight,
+/// a default or an implementation does not compile (`Weights::get` matches on the kind too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScorerKind {
+    Prefix,
+    Queue,
+    KvCache,
+    RunningRequests,
+    LoraAffinity,
+    PredictedLatency,
+    Lmetric,
+    Affinity,
+    Lru,
+}
+
+impl ScorerKind {
+    /// Every kind, in the order the scheduler sums them and the decision lists them.
+    pub const ALL: [ScorerKind; 9] = [
+        ScorerKind::Prefix,
+        ScorerKind::Queue,
+        ScorerKind::KvCache,
+        ScorerKind::RunningRequests,
+        ScorerKind::LoraAffinity,
+        ScorerKind::PredictedLatency,
+        ScorerKind::Lmetric,
+        ScorerKind::Affinity,
+        ScorerKind::Lru,
+    ];
+
+    /// The weight's key under `scheduler.weights` (the serde name of its `Weights` field; a
+    /// config test holds the two together).
+    pub const fn key(self) -> &'static str {
+        match self {
+            ScorerKind::Prefix => "prefix",
+            ScorerKind::Queue => "queue",
+            ScorerKind::KvCache => "kvCache",
+            ScorerKind::RunningRequests => "runningRequests",
+            ScorerKind::LoraAffinity => "loraAffinity",
+            ScorerKind::PredictedLatency => "predictedLatency",
+            ScorerKind::Lmetric => "lmetric",
+            ScorerKind::Affinity => "affinity",
+            ScorerKind::Lru => "lru",
+        }
+    }
+
+    /// The weight when the config does not set one (why each is what it is: `Weights`' docs
+    /// and router/README.md).
+    pub const fn default_weight(self) -> f64 {
+        match self {
+            ScorerKind::Prefix => 3.0,
+            ScorerKind::Queue => 1.0,
+            ScorerKind::KvCache => 1.0,
+            ScorerKind::RunningRequests => 2.0,
+            ScorerKind::LoraAffinity => 1.0,
+            ScorerKind::PredictedLatency => 0.0,
+            ScorerKind::Lmetric => 0.0,
+            ScorerKind::Affinity => 0.0,
+            ScorerKind::Lru => 0.1,
+        }
+    }
+
+    /// Whether least-request scoring (no candidate caches prefixes) keeps this scorer: only
+    /// the ones that count requests, and the tie-breaker.
+    pub const fn least_request(self) -> bool {
+        matches!(
+            self,
+            ScorerKind::Queue | ScorerKind::RunningRequests | ScorerKind::Lru
+        )
+    }
+
+    /// The implementation.
+    pub fn scorer(self) -> Box<dyn Scorer> {
+        match self {
+            ScorerKind::Prefix => Box::new(Prefix),
+            ScorerKind::Queue => Box::new(Queue),
+            ScorerKind::KvCache => Box::new(KvCache),
+            ScorerKind::RunningRequests => Box::new(RunningRequests),
+            ScorerKind::LoraAffinity => Box::new(LoraAffinity),
+            ScorerKind::PredictedLatency => Box::new(PredictedLatency),
+            ScorerKind::Lmetric => Box::new(Lmetric),
+            ScorerKind::Affinity => Box::new(Affinity),
+            ScorerKind::Lru => Box::new(Lru),
+        }
+    }
+}
 
 /// Writes `1 - value / max`: the busiest candidate scores `0`, an idle one `1`, and 28 against
 /// 34 requests differ by 0.18, not by the whole weight. Min-max normalisation would turn any

@@ -8,10 +8,6 @@ use crate::scheduler::{Candidate, Ctx, Scorer, saturation};
 pub struct PredictedLatency;
 
 impl Scorer for PredictedLatency {
-    fn name(&self) -> &'static str {
-        "predictedLatency"
-    }
-
     // Normalised across the candidates' uncached tokens: `MatchUse::Relative` (the default).
     fn scores(&self, ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
         lower_is_better(cands, |c| saturation::predicted_ttft(ctx, c), out);

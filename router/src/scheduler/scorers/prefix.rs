@@ -5,10 +5,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct Prefix;
 
 impl Scorer for Prefix {
-    fn name(&self) -> &'static str {
-        "prefix"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::OwnGrowing
     }

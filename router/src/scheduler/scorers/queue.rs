@@ -5,10 +5,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct Queue;
 
 impl Scorer for Queue {
-    fn name(&self) -> &'static str {
-        "queue"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::Ignores
     }

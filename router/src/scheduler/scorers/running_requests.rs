@@ -6,10 +6,6 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 pub struct RunningRequests;
 
 impl Scorer for RunningRequests {
-    fn name(&self) -> &'static str {
-        "runningRequests"
-    }
-
     fn match_use(&self) -> MatchUse {
         MatchUse::Ignores
     }

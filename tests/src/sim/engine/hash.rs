@@ -6,14 +6,8 @@
 
 use xxhash_rust::xxh3::Xxh3;
 
-/// SplitMix64: a tiny, well-mixed, deterministic generator step. Used to derive independent
-/// streams (root hash, generated tokens) from the one configured seed.
-pub(crate) fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
+// SplitMix64 derives independent streams (root hash, generated tokens) from the one seed.
+pub(crate) use kvsight_protocol::splitmix::splitmix64;
 
 /// vLLM's `NONE_HASH`: the parent of every first block, random per process. Here it is derived
 /// from the seed so runs are reproducible yet differ between engines with different seeds.
