@@ -19,6 +19,7 @@ pub mod procs;
 pub mod real_vllm;
 pub mod report;
 pub mod routers;
+pub mod soak;
 pub mod workload;
 
 use std::collections::BTreeMap;
