@@ -269,13 +269,10 @@ async fn a_killed_sidecar_stops_traffic_within_three_reports_and_its_return_rest
     let question = |n: usize| format!("{}Question {n}: name one factor.", preamble());
 
     // A shared prefix finds its home pod A; the second request is predicted to hit there.
-    let first = cluster
-        .post(0, "/v1/completions", &completion(&question(0)))
+    let (a_key, a) = cluster
+        .routed_to(0, "/v1/completions", &completion(&question(0)))
         .await
         .unwrap();
-    assert_eq!(first.status, 200, "{}", first.text);
-    let a_key = first.pod.clone().unwrap();
-    let a = cluster.pod_index(&a_key).unwrap();
     let b_key = cluster.pods[1 - a].key();
     let seen = std::sync::Mutex::new((0, 0));
     eventually("the router to see the prefix on A", WAIT, || async {

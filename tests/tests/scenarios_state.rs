@@ -67,14 +67,10 @@ async fn start(exact: bool, pending_ttl: f64) -> Cluster {
 /// Sends the first question through router 0; returns the key and index of the pod it went to,
 /// which from then on holds the shared preamble.
 async fn first_question(cluster: &Cluster) -> (String, usize) {
-    let first = cluster
-        .post(0, "/v1/completions", &completion(&question(0)))
+    cluster
+        .routed_to(0, "/v1/completions", &completion(&question(0)))
         .await
-        .unwrap();
-    assert_eq!(first.status, 200, "{}", first.text);
-    let a_key = first.pod.clone().unwrap();
-    let a = cluster.pod_index(&a_key).unwrap();
-    (a_key, a)
+        .unwrap()
 }
 
 /// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).

@@ -863,6 +863,26 @@ impl Cluster {
         .await
     }
 
+    /// POSTs `body` to `path` on router `r` and returns the key and index of the pod that
+    /// answered it with a 200 (an error otherwise).
+    pub async fn routed_to(
+        &self,
+        r: usize,
+        path: &str,
+        body: &Value,
+    ) -> Result<(String, usize), ClusterError> {
+        let routed = self.post(r, path, body).await?;
+        let err = |message: String| ClusterError::Router { index: r, message };
+        if routed.status != 200 {
+            return Err(err(format!("{}: {}", routed.status, routed.text)));
+        }
+        let key = routed.pod.ok_or_else(|| err("no decision header".into()))?;
+        let i = self
+            .pod_index(&key)
+            .ok_or_else(|| err(format!("{key} is not a pod of the cluster")))?;
+        Ok((key, i))
+    }
+
     /// The index of the pod whose key is `key`.
     pub fn pod_index(&self, key: &str) -> Option<usize> {
         self.pods.iter().position(|p| p.key() == key)
