@@ -88,6 +88,32 @@ pub struct PodsConfig<'a> {
     pub warmup: bool,
 }
 
+impl<'a> PodsConfig<'a> {
+    /// The warm fleet: engines without compile stalls, sidecars that skip warm-up (nothing to
+    /// warm), reporting to `routers`.
+    pub fn warm(
+        bins: &'a Binaries,
+        cost: &'a CostModel,
+        num_gpu_blocks: u32,
+        tokenizer_dir: &'a Path,
+        certs: &'a Certs,
+        logs: &'a Path,
+        routers: &'a [String],
+    ) -> PodsConfig<'a> {
+        PodsConfig {
+            bins,
+            cost,
+            num_gpu_blocks,
+            tokenizer_dir,
+            certs,
+            logs,
+            routers,
+            compile_stall_ms: 0.0,
+            warmup: false,
+        }
+    }
+}
+
 impl Pod {
     /// Starts `vllm-sim` and waits for its `/health`, then the sidecar (not waited for).
     pub async fn start(name: &str, cfg: &PodsConfig<'_>, http: &reqwest::Client) -> Result<Pod> {

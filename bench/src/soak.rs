@@ -159,20 +159,18 @@ pub async fn run(opts: &Options) -> Result<Report> {
         })
         .collect::<Result<_>>()?;
     let quic: Vec<String> = routers.iter().map(|r| r.quic.clone()).collect();
-    let cfg = PodsConfig {
-        bins: &opts.bins,
-        cost: &cost,
-        num_gpu_blocks: KV_BLOCKS,
-        tokenizer_dir: &tokenizer_dir,
-        certs: &certs,
-        logs: &logs,
-        routers: &quic,
-        // Engines without compile stalls, so nothing needs warming: a joining pod is Ready
-        // within a report interval instead of after a warm-up plan that, at this time scale,
-        // would outlast the interval between events.
-        compile_stall_ms: 0.0,
-        warmup: false,
-    };
+    // Engines without compile stalls, so nothing needs warming: a joining pod is Ready within
+    // a report interval instead of after a warm-up plan that, at this time scale, would outlast
+    // the interval between events.
+    let cfg = PodsConfig::warm(
+        &opts.bins,
+        &cost,
+        KV_BLOCKS,
+        &tokenizer_dir,
+        &certs,
+        &logs,
+        &quic,
+    );
     let mut pods: Vec<Option<Pod>> = Vec::new();
     for i in 0..opts.pods {
         pods.push(Some(Pod::start(&format!("pod-{i}"), &cfg, &http).await?));
