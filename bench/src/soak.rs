@@ -235,6 +235,7 @@ pub async fn run(opts: &Options) -> Result<Report> {
     let mut out: Option<usize> = None;
     let mut config_variant = false;
     while Instant::now() + EVENT_EVERY < end {
+        let began = Instant::now();
         let t = started.elapsed().as_secs_f64();
         let what = match step % 4 {
             0 => {
@@ -276,8 +277,9 @@ pub async fn run(opts: &Options) -> Result<Report> {
         println!("soak: {what}");
         events.push(what);
         step += 1;
-        let next = started + EVENT_EVERY * (step as u32 + 1);
-        tokio::time::sleep_until(next.max(Instant::now()).into()).await;
+        // Spaced from this event's start: a leave waits for the engine's streams to end (~25 s)
+        // and the events after it must not then fire back to back.
+        tokio::time::sleep_until((began + EVENT_EVERY).max(Instant::now()).into()).await;
     }
     if let Some(j) = out.take() {
         pods[j] = Some(join(j, &cfg, &http).await?);
