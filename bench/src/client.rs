@@ -64,7 +64,8 @@ pub async fn run(
     out
 }
 
-async fn one(http: &reqwest::Client, url: &str, body: bytes::Bytes) -> Outcome {
+/// Sends one streamed request and reads its answer to the end.
+pub async fn one(http: &reqwest::Client, url: &str, body: bytes::Bytes) -> Outcome {
     let t0 = Instant::now();
     let mut o = Outcome::default();
     let resp = http

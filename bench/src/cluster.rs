@@ -88,6 +88,32 @@ pub struct PodsConfig<'a> {
     pub warmup: bool,
 }
 
+impl<'a> PodsConfig<'a> {
+    /// The warm fleet: engines without compile stalls, sidecars that skip warm-up (nothing to
+    /// warm), reporting to `routers`.
+    pub fn warm(
+        bins: &'a Binaries,
+        cost: &'a CostModel,
+        num_gpu_blocks: u32,
+        tokenizer_dir: &'a Path,
+        certs: &'a Certs,
+        logs: &'a Path,
+        routers: &'a [String],
+    ) -> PodsConfig<'a> {
+        PodsConfig {
+            bins,
+            cost,
+            num_gpu_blocks,
+            tokenizer_dir,
+            certs,
+            logs,
+            routers,
+            compile_stall_ms: 0.0,
+            warmup: false,
+        }
+    }
+}
+
 impl Pod {
     /// Starts `vllm-sim` and waits for its `/health`, then the sidecar (not waited for).
     pub async fn start(name: &str, cfg: &PodsConfig<'_>, http: &reqwest::Client) -> Result<Pod> {
@@ -191,6 +217,40 @@ impl Pod {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         bail!("{}: the prefix cache could not be reset", self.name)
+    }
+
+    /// The engine crashes (SIGKILL: every stream it serves is cut) and its container restarts
+    /// on the same ports with an empty cache; the sidecar keeps running and must notice. A port
+    /// still held a moment after the kill makes the new process exit: retried, bounded.
+    pub async fn crash_and_restart_sim(
+        &mut self,
+        cfg: &PodsConfig<'_>,
+        http: &reqwest::Client,
+    ) -> Result<()> {
+        self.sim.kill().await;
+        let mut last = None;
+        for _ in 0..10 {
+            self.sim = start_sim(&self.name, cfg, self.port, self.kv_port, self.replay_port)?;
+            let health = format!("{}/health", self.url);
+            match wait_ok(http, &health, &mut [&mut self.sim], Duration::from_secs(30)).await {
+                Ok(()) => return Ok(()),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("{}: no restart attempt", self.name)))
+    }
+
+    /// Leaves as a scaled-down pod does: the sidecar drains (routers stop sending at once) and
+    /// says Goodbye, then the engine is stopped only once it has finished what it was serving,
+    /// so that leaving cuts no request (bounded by `within`).
+    pub async fn leave(mut self, http: &reqwest::Client, within: Duration) -> Result<()> {
+        if let Some(s) = self.sidecar.take() {
+            s.stop(Duration::from_secs(10)).await;
+        }
+        let idle = wait_idle(std::slice::from_ref(&self), http, within).await;
+        self.sim.stop(Duration::from_secs(3)).await;
+        idle
     }
 
     pub async fn stop(self) {

@@ -19,6 +19,7 @@ pub mod procs;
 pub mod real_vllm;
 pub mod report;
 pub mod routers;
+pub mod soak;
 pub mod workload;
 
 use std::collections::BTreeMap;
@@ -153,17 +154,15 @@ pub async fn run(opts: Options) -> Result<Outcome> {
             .map(|&r| KvsightRouter::start(r, &opts.bins, &certs, &logs))
             .collect::<Result<_>>()?;
         let quic: Vec<String> = kv_routers.iter().map(|r| r.quic.clone()).collect();
-        let pods_cfg = PodsConfig {
-            bins: &opts.bins,
-            cost: &cost,
-            num_gpu_blocks: w.num_gpu_blocks,
-            tokenizer_dir: &tokenizer_dir,
-            certs: &certs,
-            logs: &logs,
-            routers: &quic,
-            compile_stall_ms: 0.0,
-            warmup: false,
-        };
+        let pods_cfg = PodsConfig::warm(
+            &opts.bins,
+            &cost,
+            w.num_gpu_blocks,
+            &tokenizer_dir,
+            &certs,
+            &logs,
+            &quic,
+        );
         let cold_cfg = PodsConfig {
             compile_stall_ms: faults::COLD_STALL_MS,
             warmup: true,

@@ -88,6 +88,29 @@ enum Cmd {
         #[arg(long)]
         no_restart: bool,
     },
+    /// The soak (what `cargo xtask soak` runs): streaming clients through router replicas to
+    /// simulated pods while engines crash, pods leave and join and the config is reloaded;
+    /// exits 1 when a target is missed.
+    Soak {
+        /// Length of the load, wall minutes.
+        #[arg(long, default_value_t = 10.0)]
+        minutes: f64,
+        /// Concurrent streaming clients (tokio tasks of this process).
+        #[arg(long, default_value_t = 1000)]
+        clients: usize,
+        /// Simulated pods (each a vllm-sim and a sidecar process).
+        #[arg(long, default_value_t = 8)]
+        pods: usize,
+        /// Wall seconds per simulated second of the pods' cost model.
+        #[arg(long, default_value_t = 20.0)]
+        time_scale: f64,
+        /// Output folder (logs, certificates, soak.json).
+        #[arg(long)]
+        out: PathBuf,
+        /// Folder holding vllm-sim, kvsight-router and kvsight-sidecar (release builds).
+        #[arg(long)]
+        bin_dir: PathBuf,
+    },
     /// Prints the folders of the project's own tokenizer and its Llama-2-shaped one (training
     /// them on first use), one per line.
     TokenizerDirs,
@@ -124,6 +147,34 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             mode,
             workers,
         } => rt.block_on(blind::serve(listen, workers, mode)),
+        Cmd::Soak {
+            minutes,
+            clients,
+            pods,
+            time_scale,
+            out,
+            bin_dir,
+        } => {
+            let opts = kvsight_bench::soak::Options {
+                minutes,
+                clients,
+                pods,
+                time_scale,
+                out,
+                bins: Binaries {
+                    vllm_sim: bin_dir.join("vllm-sim"),
+                    sidecar: bin_dir.join("kvsight-sidecar"),
+                    router: bin_dir.join("kvsight-router"),
+                    bench: std::env::current_exe()?,
+                },
+            };
+            let report = rt.block_on(kvsight_bench::soak::run(&opts))?;
+            print!("{}", kvsight_bench::soak::summary(&report));
+            if !report.misses.is_empty() {
+                anyhow::bail!("soak: {}", report.misses.join("; "));
+            }
+            Ok(())
+        }
         Cmd::TokenizerDirs => {
             println!(
                 "{}",

@@ -97,6 +97,24 @@ impl Proc {
         signal_group(self.pid, "KILL");
     }
 
+    /// SIGKILL to the group, as a crash or an OOM kill: no drain, no goodbye. Waits for the exit.
+    pub async fn kill(&mut self) {
+        signal_group(self.pid, "KILL");
+        let _ = self.child.wait().await;
+    }
+
+    /// The leader's resident memory now (`VmRSS`), in bytes; `None` once it has exited.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        status_kib(self.pid, "VmRSS:").map(|k| k * 1024)
+    }
+
+    /// The leader's open file descriptors now (entries of `/proc/PID/fd`).
+    pub fn open_fds(&self) -> Option<usize> {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid))
+            .ok()
+            .map(|d| d.count())
+    }
+
     /// CPU seconds (user + system) used by the whole process group so far.
     pub fn cpu_seconds(&self) -> f64 {
         group_pids(self.pid)

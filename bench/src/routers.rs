@@ -189,6 +189,8 @@ pub struct KvsightRouter {
     pub proc: Proc,
     pub url: String,
     pub quic: String,
+    /// Its config file, watched: rewriting it reloads the router.
+    pub config: PathBuf,
     program: PathBuf,
     args: Vec<String>,
     logs: PathBuf,
@@ -197,8 +199,21 @@ pub struct KvsightRouter {
 impl KvsightRouter {
     /// Starts the variant; sidecars are given `quic` to report to.
     pub fn start(kind: Kind, bins: &Binaries, certs: &Certs, logs: &Path) -> Result<KvsightRouter> {
+        Self::start_replica(kind, kind.name(), bins, certs, logs)
+    }
+
+    /// Starts the variant as replica `name` (its router id, certificate, config file and log):
+    /// replicas of one deployment must not share a router id, since sidecars count each
+    /// router's in-flight requests apart.
+    pub fn start_replica(
+        kind: Kind,
+        name: &str,
+        bins: &Binaries,
+        certs: &Certs,
+        logs: &Path,
+    ) -> Result<KvsightRouter> {
         let (http, quic) = (free_tcp_port()?, free_udp_port()?);
-        let config = certs.dir.join(format!("{}.yaml", kind.name()));
+        let config = certs.dir.join(format!("{name}.yaml"));
         // An experiment may replace the default variant's config.
         let text = match (kind, std::env::var("KVSIGHT_BENCH_CONFIG")) {
             (Kind::Kvsight, Ok(text)) => text,
@@ -213,41 +228,37 @@ impl KvsightRouter {
             "--config".into(),
             config.display().to_string(),
             "--router-id".into(),
-            kind.name().into(),
+            name.into(),
             "--grace-seconds".into(),
             "2".into(),
         ];
         if kind == Kind::KvsightApprox {
             args.push("--no-sidecar-tokenizers".into());
         }
-        args.extend(certs.leaf_flags(kind.name())?);
-        let proc = Self::spawn(kind, &bins.router, &args, logs)?;
+        args.extend(certs.leaf_flags(name)?);
+        let proc = Self::spawn(name, &bins.router, &args, logs)?;
         Ok(KvsightRouter {
             kind,
             proc,
             url: format!("http://127.0.0.1:{http}"),
             quic: format!("127.0.0.1:{quic}"),
+            config,
             program: bins.router.clone(),
             args,
             logs: logs.to_owned(),
         })
     }
 
-    fn spawn(kind: Kind, program: &Path, args: &[String], logs: &Path) -> Result<Proc> {
-        Proc::spawn(
-            kind.name(),
-            program,
-            args,
-            &[("RUST_LOG", "warn".into())],
-            logs,
-        )
+    fn spawn(name: &str, program: &Path, args: &[String], logs: &Path) -> Result<Proc> {
+        Proc::spawn(name, program, args, &[("RUST_LOG", "warn".into())], logs)
     }
 
     /// A fresh process on the same ports (the sidecars reconnect): every run starts with no
     /// memory of earlier runs, as every peer does.
     pub async fn restart(&mut self, http: &reqwest::Client, pods: usize) -> Result<()> {
         self.proc.terminate(Duration::from_secs(3)).await;
-        self.proc = Self::spawn(self.kind, &self.program, &self.args, &self.logs)?;
+        let name = self.proc.name.clone();
+        self.proc = Self::spawn(&name, &self.program, &self.args, &self.logs)?;
         self.wait_pods(http, pods, Duration::from_secs(60)).await
     }
 

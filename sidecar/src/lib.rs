@@ -286,19 +286,34 @@ async fn start_and_serve(
         (_, Some(p)) => p,
         (_, None) => warmup::default_plan(facts.engine.max_model_len),
     };
-    if let Some(model) = facts.models.first() {
-        let report =
-            warmup::run_plan(&client, model, &plan, facts.engine.max_model_len, shutdown).await;
-        shared.metrics.warmup_seconds.set(report.seconds);
-        tracing::info!(?report, "warm-up done");
-    }
-    if !shutdown.is_cancelled() {
+    let mut phases = shared.watch_phase();
+    loop {
+        if let Some(model) = facts.models.first() {
+            let report =
+                warmup::run_plan(&client, model, &plan, facts.engine.max_model_len, shutdown).await;
+            shared.metrics.warmup_seconds.set(report.seconds);
+            tracing::info!(?report, "warm-up done");
+        }
+        if shutdown.is_cancelled() {
+            break;
+        }
         shared.set_phase(if shared.healthy() {
             Phase::Ready
         } else {
             Phase::Unhealthy
         });
-        shutdown.cancelled().await;
+        // The health loop moves an Unhealthy pod whose engine answers again to Warming: the
+        // engine restarted (a vLLM container restart leaves the sidecar running), so it is
+        // warmed again, as at start, before users reach it.
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            changed = phases.wait_for(|p| *p == Phase::Warming) => {
+                if changed.is_err() {
+                    break;
+                }
+                tracing::info!("vLLM answers again: warming it up before Ready");
+            }
+        }
     }
 
     // Draining.

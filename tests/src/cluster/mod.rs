@@ -220,14 +220,21 @@ impl ClusterConfig {
     }
 }
 
-/// A running sidecar.
+/// A running sidecar, on a thread and runtime of its own: a sidecar is a process of its own in a
+/// pod, and a killed process's sockets all close at once and say nothing more — which, inside one
+/// shared runtime, tasks the sidecar spawned (its publisher, the QUIC endpoint's driver) would
+/// not do when the sidecar's own task ends.
 pub struct SidecarHandle {
     /// Its health/metrics server.
     pub addr: SocketAddr,
     /// Phase, metrics and mirror, as the sidecar's own tests watch them.
     pub shared: Arc<SidecarShared>,
     stop: CancellationToken,
-    task: JoinHandle<Result<(), kvsight_sidecar::RunError>>,
+    /// Sending (or dropping) it drops the sidecar's runtime: every task and socket at once.
+    kill: tokio::sync::oneshot::Sender<()>,
+    /// Resolves when the runtime is gone: `Some` with `run`'s result after a stop, `None` after
+    /// a kill.
+    exited: tokio::sync::oneshot::Receiver<Option<Result<(), kvsight_sidecar::RunError>>>,
 }
 
 impl SidecarHandle {
@@ -241,14 +248,26 @@ impl SidecarHandle {
 
     /// SIGTERM: drain, say Goodbye, stop; bounded by `within`.
     pub async fn stop(self, within: Duration) -> Result<(), ClusterError> {
-        self.stop.cancel();
-        match tokio::time::timeout(within, self.task).await {
+        let SidecarHandle {
+            stop, kill, exited, ..
+        } = self;
+        stop.cancel();
+        let stopped = tokio::time::timeout(within, exited).await;
+        drop(kill);
+        match stopped {
             Ok(_) => Ok(()),
             Err(_) => Err(ClusterError::Timeout {
                 what: "the sidecar to stop".into(),
                 after: within,
             }),
         }
+    }
+
+    /// The process vanishes (crash, OOM kill): no drain, no Goodbye, no QUIC close — its
+    /// sockets are simply gone. Returns once they are.
+    pub async fn kill(self) {
+        let _ = self.kill.send(());
+        let _ = self.exited.await;
     }
 }
 
@@ -258,6 +277,8 @@ pub struct Pod {
     /// `None` while the simulator is down (between a stop and a start).
     pub sim: Option<SimPodHandle>,
     pub sidecar: Option<SidecarHandle>,
+    /// The simulator's configuration while it is down after [`Cluster::kill_sim`].
+    killed_sim: Option<SimConfig>,
     /// The simulator's addresses, kept across restarts.
     http_addr: SocketAddr,
     kv_endpoint: Option<String>,
@@ -491,6 +512,7 @@ impl Cluster {
             replay_endpoint: sim.replay_endpoint().map(str::to_owned),
             sim: Some(sim),
             sidecar: None,
+            killed_sim: None,
             spec,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -592,19 +614,47 @@ impl Cluster {
             .validate(|_| None)
             .map_err(|e| err(format!("sidecar config: {e}")))?;
         let addr = listener.local_addr().map_err(io("sidecar address"))?;
+        // Registered again inside the sidecar's own runtime.
+        let listener = listener.into_std().map_err(io("sidecar listener"))?;
         let shared = Arc::new(SidecarShared::default());
         let stop = CancellationToken::new();
-        let task = tokio::spawn(kvsight_sidecar::run_with(
-            kvsight_sidecar::Listeners { http: listener },
-            config,
-            stop.clone(),
-            Arc::clone(&shared),
-        ));
+        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
+        let (exited_tx, exited) = tokio::sync::oneshot::channel();
+        let (run_shared, run_stop) = (Arc::clone(&shared), stop.clone());
+        std::thread::Builder::new()
+            .name(format!("sidecar-{}", pod.spec.name))
+            .spawn(move || {
+                let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                let result = runtime.block_on(async move {
+                    let http = tokio::net::TcpListener::from_std(listener).ok()?;
+                    tokio::select! {
+                        r = kvsight_sidecar::run_with(
+                            kvsight_sidecar::Listeners { http },
+                            config,
+                            run_stop,
+                            run_shared,
+                        ) => Some(r),
+                        // Killed, or the handle dropped with the cluster.
+                        _ = killed => None,
+                    }
+                });
+                // Every task still in the runtime — publisher, QUIC driver, scrapers — goes here,
+                // and with it every socket, before `exited` says so.
+                runtime.shutdown_background();
+                let _ = exited_tx.send(result);
+            })
+            .map_err(io("starting a sidecar thread"))?;
         Ok(SidecarHandle {
             addr,
             shared,
             stop,
-            task,
+            kill,
+            exited,
         })
     }
 
@@ -613,18 +663,7 @@ impl Cluster {
         let old = self.pods[i].sidecar.take().expect("the sidecar is running");
         let addr = old.addr;
         old.stop(Duration::from_secs(15)).await?;
-        let listener = rebind(&format!("sidecar {addr}"), || {
-            std::net::TcpListener::bind(addr)
-        })
-        .await
-        .and_then(|l| {
-            l.set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpListener::from_std(l))
-                .map_err(io("sidecar listener"))
-        })?;
-        let sidecar = self.start_sidecar(&self.pods[i], listener)?;
-        self.pods[i].sidecar = Some(sidecar);
-        Ok(())
+        self.start_killed_sidecar(i, addr).await
     }
 
     /// Restarts pod `i`'s simulator as a vLLM container restart looks: the process is gone (its
@@ -641,6 +680,68 @@ impl Cluster {
                 message: format!("restarting the simulator: {e}"),
             })?;
         pod.sim = Some(sim);
+        Ok(())
+    }
+
+    /// Pod `i`'s engine process dies: every socket it had closes at once (its streams are cut,
+    /// new connections refused) and it stays down until [`Cluster::start_killed_sim`]. The
+    /// sidecar keeps running and must notice.
+    pub async fn kill_sim(&mut self, i: usize) {
+        let pod = &mut self.pods[i];
+        let sim = pod.sim.take().expect("the simulator is running");
+        pod.killed_sim = Some(sim.restart_config().clone());
+        sim.shutdown(Duration::ZERO).await;
+    }
+
+    /// Starts pod `i`'s killed engine again as its container restart would: the same ports, an
+    /// empty cache, cold (its compile stalls ahead of it), KV-event seqs from 0.
+    pub async fn start_killed_sim(&mut self, i: usize) -> Result<(), ClusterError> {
+        let pod = &mut self.pods[i];
+        let config = pod.killed_sim.take().expect("the simulator was killed");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        // As in `rebind`: a port can trail the old runtime's end by a few scheduler turns.
+        let sim = loop {
+            match SimPod::start(config.clone()).await {
+                Ok(sim) => break sim,
+                Err(crate::sim::server::StartError::Bind { .. }) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => {
+                    return Err(ClusterError::Pod {
+                        pod: pod.spec.name.clone(),
+                        message: format!("starting the killed simulator: {e}"),
+                    });
+                }
+            }
+        };
+        pod.sim = Some(sim);
+        Ok(())
+    }
+
+    /// Pod `i`'s sidecar process is killed (no drain, no Goodbye) and stays down.
+    pub async fn kill_sidecar(&mut self, i: usize) {
+        let sidecar = self.pods[i].sidecar.take().expect("the sidecar is running");
+        sidecar.kill().await;
+    }
+
+    /// Starts pod `i`'s sidecar again on the port it had, `addr` (after
+    /// [`Cluster::kill_sidecar`] or a stop).
+    pub async fn start_killed_sidecar(
+        &mut self,
+        i: usize,
+        addr: SocketAddr,
+    ) -> Result<(), ClusterError> {
+        let listener = rebind(&format!("sidecar {addr}"), || {
+            std::net::TcpListener::bind(addr)
+        })
+        .await
+        .and_then(|l| {
+            l.set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(l))
+                .map_err(io("sidecar listener"))
+        })?;
+        let sidecar = self.start_sidecar(&self.pods[i], listener)?;
+        self.pods[i].sidecar = Some(sidecar);
         Ok(())
     }
 
@@ -757,6 +858,26 @@ impl Cluster {
         .await
     }
 
+    /// POSTs `body` to `path` on router `r` and returns the key and index of the pod that
+    /// answered it with a 200 (an error otherwise).
+    pub async fn routed_to(
+        &self,
+        r: usize,
+        path: &str,
+        body: &Value,
+    ) -> Result<(String, usize), ClusterError> {
+        let routed = self.post(r, path, body).await?;
+        let err = |message: String| ClusterError::Router { index: r, message };
+        if routed.status != 200 {
+            return Err(err(format!("{}: {}", routed.status, routed.text)));
+        }
+        let key = routed.pod.ok_or_else(|| err("no decision header".into()))?;
+        let i = self
+            .pod_index(&key)
+            .ok_or_else(|| err(format!("{key} is not a pod of the cluster")))?;
+        Ok((key, i))
+    }
+
     /// The index of the pod whose key is `key`.
     pub fn pod_index(&self, key: &str) -> Option<usize> {
         self.pods.iter().position(|p| p.key() == key)
@@ -783,11 +904,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for pod in &self.pods {
-            if let Some(s) = &pod.sidecar {
-                s.task.abort();
-            }
-        }
+        // Sidecars stop as their handles drop with `pods`.
         for r in &self.routers {
             r.stop.cancel();
             r.task.abort();

@@ -466,6 +466,11 @@ impl SimPodHandle {
         rx.await.ok()
     }
 
+    /// The configuration a restart uses: the first one, with the ports as bound.
+    pub fn restart_config(&self) -> &SimConfig {
+        &self.restart_config
+    }
+
     /// Whether the engine is currently dead.
     pub fn is_dead(&self) -> bool {
         self.shared.is_dead()

@@ -1,0 +1,658 @@
+//! `kvsight-bench soak` (what `cargo xtask soak --minutes N` runs): hours of production
+//! squeezed into minutes, on loopback only.
+//!
+//! Two kvsight router processes, eight `vllm-sim` processes with a real sidecar process each
+//! (the bench's pods: [`crate::cluster`]), and a thousand streaming clients — tokio tasks of
+//! this process, half on each replica — that each send a completion, read its stream to the
+//! end, and send the next. Every ten seconds one fault or change is injected, in turn: an
+//! engine crashes (SIGKILL) and its container restarts on the same ports, both routers' config
+//! file is rewritten (a hot reload), a pod leaves (its sidecar drains and says Goodbye, the
+//! engine stops once idle) and joins again (a fresh engine and sidecar).
+//!
+//! At the end: requests served, failures split into those an injected crash explains and the
+//! rest (the target is none), every long-lived process's resident memory and open descriptors
+//! after the warm-up and at the end (growth under 10 %, descriptors stable), and the routers'
+//! p99 added latency. A missed target makes the command fail.
+//!
+//! Every loop is bounded: clients stop sending at the end and each request has a timeout,
+//! every wait on a process or a condition has a deadline.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::client;
+use crate::cluster::{Binaries, Certs, Pod, PodsConfig};
+use crate::cost::CostModel;
+use crate::procs::Proc;
+use crate::routers::{Kind, KvsightRouter};
+use crate::workload::MODEL;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub minutes: f64,
+    pub clients: usize,
+    pub pods: usize,
+    /// Wall seconds per simulated second of the pods' H100 cost model.
+    pub time_scale: f64,
+    /// Where logs, certificates and `soak.json` go.
+    pub out: PathBuf,
+    pub bins: Binaries,
+}
+
+/// Router replicas; clients alternate between them.
+const ROUTERS: usize = 2;
+/// Wall time between two injected events.
+const EVENT_EVERY: Duration = Duration::from_secs(10);
+/// Tenants sharing a system prompt each: what gives the routers a prefix to follow.
+const TENANTS: usize = 32;
+/// Generated tokens per request. At the default time scale (20) a decode step of the cost model
+/// with ~125 running sequences takes ~0.2 s of wall time, so a request streams for ~25 s and
+/// 1,000 clients keep ~1,000 streams open while the routers see ~40 new requests a second —
+/// what two shared cores can carry beside 18 other processes.
+const MAX_TOKENS: u32 = 128;
+/// No request may take longer (a stuck stream is a failure, not a hang of the soak).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(180);
+/// KV blocks per pod: ~125 sequences of ~300 tokens, plus every tenant's prompt.
+const KV_BLOCKS: u32 = 6_000;
+/// Resident memory may grow by less than this share between the warm-up and the end.
+const RSS_GROWTH_LIMIT: f64 = 0.10;
+/// Open descriptors may grow by at most this share (plus [`FD_SLACK`]): they follow the
+/// number of open connections, which the fixed client count keeps level.
+const FD_GROWTH_LIMIT: f64 = 0.10;
+const FD_SLACK: usize = 32;
+
+/// What one request saw, for attributing failures.
+#[derive(Debug, Clone)]
+struct Failure {
+    start: Instant,
+    end: Instant,
+    /// The pod the router chose (`x-kvsight-decision`), when it answered with headers.
+    pod: Option<String>,
+    message: String,
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    ok: u64,
+    failures: Vec<Failure>,
+}
+
+/// One engine crash: from just before the SIGKILL to its exit.
+#[derive(Debug, Clone)]
+struct Crash {
+    pod: String,
+    from: Instant,
+    to: Instant,
+}
+
+/// One process's figures after the warm-up and at the end.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcFigures {
+    pub name: String,
+    pub rss_start_mib: f64,
+    pub rss_end_mib: f64,
+    pub rss_growth: f64,
+    pub fds_start: usize,
+    pub fds_end: usize,
+}
+
+/// The soak's outcome (written to `soak.json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub minutes: f64,
+    pub clients: usize,
+    pub pods: usize,
+    pub routers: usize,
+    pub time_scale: f64,
+    pub requests_served: u64,
+    pub failed: usize,
+    /// Failures an injected crash explains: the request was in flight on the crashed engine.
+    pub failed_injected: usize,
+    pub failed_outside: usize,
+    pub outside_examples: Vec<String>,
+    pub events: Vec<String>,
+    pub processes: Vec<ProcFigures>,
+    pub added_latency_p99_ms: Option<f64>,
+    pub added_latency_count: u64,
+    /// Targets missed; empty when the soak passed.
+    pub misses: Vec<String>,
+}
+
+/// Runs the soak; `Err` when it could not run, a report with `misses` when it ran and failed.
+pub async fn run(opts: &Options) -> Result<Report> {
+    let total = Duration::from_secs_f64(opts.minutes * 60.0);
+    if total < Duration::from_secs(30) {
+        bail!("--minutes must be at least 0.5");
+    }
+    if opts.pods < 4 {
+        bail!("--pods must be at least 4 (two stay, two leave and join, one crashes)");
+    }
+    // Long enough for the ramp, every tenant's first prefill and the allocators' first growth.
+    let warm_up = (total / 4).clamp(Duration::from_secs(15), Duration::from_secs(60));
+    std::fs::create_dir_all(&opts.out)?;
+    let logs = opts.out.join("logs");
+    let _ = std::fs::remove_dir_all(&logs);
+    let tokenizer_dir = kvsight_testbed::own_tokenizer::ensure_dir()?;
+    let cost = CostModel::h100_8b(opts.time_scale);
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(4 * opts.clients)
+        .tcp_nodelay(true)
+        .build()?;
+    let certs = Certs::new(&opts.out.join("certs"))?;
+
+    let mut routers: Vec<KvsightRouter> = (0..ROUTERS)
+        .map(|i| {
+            KvsightRouter::start_replica(
+                Kind::Kvsight,
+                &format!("router-{i}"),
+                &opts.bins,
+                &certs,
+                &logs,
+            )
+        })
+        .collect::<Result<_>>()?;
+    let quic: Vec<String> = routers.iter().map(|r| r.quic.clone()).collect();
+    // Engines without compile stalls, so nothing needs warming: a joining pod is Ready within
+    // a report interval instead of after a warm-up plan that, at this time scale, would outlast
+    // the interval between events.
+    let cfg = PodsConfig::warm(
+        &opts.bins,
+        &cost,
+        KV_BLOCKS,
+        &tokenizer_dir,
+        &certs,
+        &logs,
+        &quic,
+    );
+    let mut pods: Vec<Option<Pod>> = Vec::new();
+    for i in 0..opts.pods {
+        pods.push(Some(Pod::start(&format!("pod-{i}"), &cfg, &http).await?));
+    }
+    for p in pods.iter_mut().flatten() {
+        p.wait_ready(&http, Duration::from_secs(60)).await?;
+    }
+    for r in &mut routers {
+        r.wait_pods(&http, opts.pods, Duration::from_secs(60))
+            .await?;
+    }
+    println!(
+        "soak: {} clients, {ROUTERS} routers, {} pods, time scale {}, {:.1} min (warm-up {} s)",
+        opts.clients,
+        opts.pods,
+        opts.time_scale,
+        opts.minutes,
+        warm_up.as_secs()
+    );
+
+    let started = Instant::now();
+    let end = started + total;
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let urls: Arc<[String]> = routers.iter().map(|r| r.url.clone()).collect();
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..opts.clients {
+        // Spread the first requests over half the warm-up: a thousand cold prefills at once
+        // would measure the ramp, not the steady state.
+        let first = started + warm_up / 2 * (i as u32) / (opts.clients as u32);
+        clients.spawn(client_loop(
+            i,
+            http.clone(),
+            Arc::clone(&urls),
+            first,
+            end,
+            Arc::clone(&tally),
+        ));
+    }
+
+    // After the warm-up: the baseline of every long-lived process.
+    tokio::time::sleep_until((started + warm_up).into()).await;
+    // The last two pods leave and join; the others keep their sidecar for the whole run.
+    let stable = opts.pods - 2;
+    let watched = |routers: &[KvsightRouter], pods: &[Option<Pod>]| -> Vec<(String, Sample)> {
+        let mut v: Vec<(String, Sample)> = routers
+            .iter()
+            .map(|r| (r.proc.name.clone(), Sample::of(&r.proc)))
+            .collect();
+        for p in pods[..stable].iter().flatten() {
+            if let Some(s) = &p.sidecar {
+                v.push((s.name.clone(), Sample::of(s)));
+            }
+        }
+        v
+    };
+    let baseline = watched(&routers, &pods);
+
+    // Injected events, one every EVENT_EVERY, until one interval before the end.
+    let mut events = Vec::new();
+    let mut crashes = Vec::new();
+    let mut step = 0usize;
+    let mut out: Option<usize> = None;
+    let mut config_variant = false;
+    while Instant::now() + EVENT_EVERY < end {
+        let began = Instant::now();
+        let t = started.elapsed().as_secs_f64();
+        let what = match step % 4 {
+            0 => {
+                let k = (step / 4) % stable;
+                let pod = pods[k].as_mut().context("a stable pod is out")?;
+                let from = Instant::now();
+                pod.crash_and_restart_sim(&cfg, &http)
+                    .await
+                    .with_context(|| format!("restarting {}", pod.name))?;
+                let to = Instant::now();
+                crashes.push(Crash {
+                    pod: format!("bench/{}", pod.name),
+                    from,
+                    to,
+                });
+                format!("{t:.0}s crash+restart engine of pod-{k}")
+            }
+            1 => {
+                config_variant = !config_variant;
+                reload(&routers, &http, config_variant).await?;
+                format!(
+                    "{t:.0}s config reload (variant {})",
+                    u8::from(config_variant)
+                )
+            }
+            2 => {
+                let j = stable + (step / 4) % 2;
+                let pod = pods[j].take().context("the leaving pod is out")?;
+                pod.leave(&http, REQUEST_TIMEOUT).await?;
+                out = Some(j);
+                format!("{t:.0}s pod-{j} left")
+            }
+            _ => {
+                let j = out.take().context("no pod is out")?;
+                pods[j] = Some(join(j, &cfg, &http).await?);
+                format!("{t:.0}s pod-{j} joined")
+            }
+        };
+        println!("soak: {what}");
+        events.push(what);
+        step += 1;
+        // Spaced from this event's start: a leave waits for the engine's streams to end (~25 s)
+        // and the events after it must not then fire back to back.
+        tokio::time::sleep_until((began + EVENT_EVERY).max(Instant::now()).into()).await;
+    }
+    if let Some(j) = out.take() {
+        pods[j] = Some(join(j, &cfg, &http).await?);
+        events.push(format!(
+            "{:.0}s pod-{j} joined",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    tokio::time::sleep_until(end.into()).await;
+    // Under the same load as the baseline: clients are still streaming.
+    let last = watched(&routers, &pods);
+    let mut buckets = Vec::new();
+    for r in &routers {
+        buckets.push(added_latency_buckets(&metrics(r, &http).await?));
+    }
+    // Clients send nothing after `end`; what is in flight finishes (bounded by its timeout).
+    let drained = tokio::time::timeout(REQUEST_TIMEOUT + Duration::from_secs(10), async {
+        while clients.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        clients.abort_all();
+        bail!("clients did not finish within their request timeout");
+    }
+
+    let tally = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
+    let report = judge(opts, &tally, &crashes, events, &baseline, &last, &buckets);
+    for p in pods.into_iter().flatten() {
+        p.stop().await;
+    }
+    for r in routers {
+        r.proc.stop(Duration::from_secs(3)).await;
+    }
+    std::fs::write(
+        opts.out.join("soak.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    Ok(report)
+}
+
+async fn join(j: usize, cfg: &PodsConfig<'_>, http: &reqwest::Client) -> Result<Pod> {
+    let mut pod = Pod::start(&format!("pod-{j}"), cfg, http).await?;
+    pod.wait_ready(http, Duration::from_secs(60)).await?;
+    Ok(pod)
+}
+
+/// Rewrites every router's config file (by rename, as a ConfigMap update does) and waits until
+/// each counted one more applied reload.
+async fn reload(routers: &[KvsightRouter], http: &reqwest::Client, variant: bool) -> Result<()> {
+    let text = if variant {
+        "scheduler:\n  weights: {prefix: 2, queue: 2}\n"
+    } else {
+        "{}\n"
+    };
+    let mut before = Vec::new();
+    for r in routers {
+        before.push(applied_reloads(r, http).await?);
+    }
+    for r in routers {
+        let tmp = r.config.with_extension("yaml.tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &r.config)?;
+    }
+    for (r, b) in routers.iter().zip(before) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while applied_reloads(r, http).await? <= b {
+            if Instant::now() >= deadline {
+                bail!("{} did not apply the new config within 20 s", r.proc.name);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+async fn metrics(r: &KvsightRouter, http: &reqwest::Client) -> Result<String> {
+    Ok(http
+        .get(format!("{}/metrics", r.url))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
+
+async fn applied_reloads(r: &KvsightRouter, http: &reqwest::Client) -> Result<f64> {
+    Ok(metrics(r, http)
+        .await?
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"kvsight_router_config_reloads_total{outcome="applied"} "#))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0))
+}
+
+/// One client: request after request until `end`, each streamed to its end.
+async fn client_loop(
+    i: usize,
+    http: reqwest::Client,
+    urls: Arc<[String]>,
+    first: Instant,
+    end: Instant,
+    tally: Arc<Mutex<Tally>>,
+) {
+    tokio::time::sleep_until(first.into()).await;
+    let url = format!("{}/v1/completions", urls[i % urls.len()]);
+    let tenant = i % TENANTS;
+    let mut n = 0usize;
+    while Instant::now() < end {
+        let body = json!({
+            "model": MODEL,
+            "prompt": format!("{}Client {i} question {n}: what should I check first?", system_prompt(tenant)),
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": true,
+            "stream": true,
+        });
+        let start = Instant::now();
+        let outcome = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            client::one(&http, &url, bytes::Bytes::from(body.to_string())),
+        )
+        .await;
+        let finished = Instant::now();
+        let failure = match outcome {
+            Ok(o) => o.error.map(|message| Failure {
+                start,
+                end: finished,
+                pod: o
+                    .decision
+                    .as_ref()
+                    .and_then(|d| d["pod"].as_str())
+                    .map(str::to_owned),
+                message,
+            }),
+            Err(_) => Some(Failure {
+                start,
+                end: finished,
+                pod: None,
+                message: format!("no answer within {REQUEST_TIMEOUT:?}"),
+            }),
+        };
+        {
+            let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+            match failure {
+                None => t.ok += 1,
+                Some(f) => t.failures.push(f),
+            }
+        }
+        n += 1;
+        // A short, varied pause, as between a user's turns; it also de-synchronises clients
+        // that a crash cut at the same moment.
+        let think = Duration::from_millis(((i * 37 + n * 101) % 500) as u64);
+        tokio::time::sleep(think).await;
+    }
+}
+
+/// A tenant's system prompt, ~150 tokens with the project's tokenizer.
+fn system_prompt(tenant: usize) -> String {
+    let mut s = format!("You are the support assistant of tenant {tenant}. ");
+    for rule in 0..8 {
+        s.push_str(&format!(
+            "Rule {rule} of tenant {tenant}: answer briefly, cite the manual, never guess. "
+        ));
+    }
+    s
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    rss: Option<u64>,
+    fds: Option<usize>,
+}
+
+impl Sample {
+    fn of(p: &Proc) -> Sample {
+        Sample {
+            rss: p.rss_bytes(),
+            fds: p.open_fds(),
+        }
+    }
+}
+
+/// `(le, cumulative count)` of `kvsight_router_added_latency_seconds`.
+fn added_latency_buckets(text: &str) -> Vec<(f64, f64)> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("kvsight_router_added_latency_seconds_bucket{le=\""))
+        .filter_map(|rest| {
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The p99 of the routers' histograms together (the upper bound of the bucket holding it) and
+/// the number of observations.
+fn p99(routers: &[Vec<(f64, f64)>]) -> (Option<f64>, u64) {
+    let mut merged: Vec<(f64, f64)> = Vec::new();
+    for b in routers {
+        for &(le, c) in b {
+            match merged.iter_mut().find(|(l, _)| *l == le) {
+                Some(m) => m.1 += c,
+                None => merged.push((le, c)),
+            }
+        }
+    }
+    merged.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let count = merged.last().map_or(0.0, |m| m.1);
+    let p = merged
+        .iter()
+        .find(|(_, c)| *c >= 0.99 * count && count > 0.0)
+        .map(|(le, _)| *le);
+    (p, count as u64)
+}
+
+fn judge(
+    opts: &Options,
+    tally: &Tally,
+    crashes: &[Crash],
+    events: Vec<String>,
+    baseline: &[(String, Sample)],
+    last: &[(String, Sample)],
+    buckets: &[Vec<(f64, f64)>],
+) -> Report {
+    let mut misses = Vec::new();
+    // A failure is the injection's when the request was in flight on the engine that crashed:
+    // the router named that pod (decision header, or the 502's message) and the request began
+    // before the engine was gone and ended after the kill began.
+    let injected = |f: &Failure| {
+        crashes.iter().any(|c| {
+            let on_it = f.pod.as_deref() == Some(c.pod.as_str()) || f.message.contains(&c.pod);
+            on_it && f.start <= c.to && f.end >= c.from
+        })
+    };
+    let outside: Vec<&Failure> = tally.failures.iter().filter(|f| !injected(f)).collect();
+    let failed_injected = tally.failures.len() - outside.len();
+    if !outside.is_empty() {
+        misses.push(format!(
+            "{} failures outside injected faults (target 0)",
+            outside.len()
+        ));
+    }
+    if tally.ok == 0 {
+        misses.push("no request was served".into());
+    }
+    let mut processes = Vec::new();
+    for (name, start) in baseline {
+        let Some((_, end)) = last.iter().find(|(n, _)| n == name) else {
+            misses.push(format!("{name} was gone at the end"));
+            continue;
+        };
+        let (Some(r0), Some(r1), Some(f0), Some(f1)) = (start.rss, end.rss, start.fds, end.fds)
+        else {
+            misses.push(format!("{name}: no /proc figures"));
+            continue;
+        };
+        let growth = r1 as f64 / r0 as f64 - 1.0;
+        if growth >= RSS_GROWTH_LIMIT {
+            misses.push(format!(
+                "{name}: RSS grew {:.1} % (limit {:.0} %)",
+                growth * 100.0,
+                RSS_GROWTH_LIMIT * 100.0
+            ));
+        }
+        let fd_limit = f0 + (f0 as f64 * FD_GROWTH_LIMIT) as usize + FD_SLACK;
+        if f1 > fd_limit {
+            misses.push(format!(
+                "{name}: open descriptors {f0} -> {f1} (limit {fd_limit})"
+            ));
+        }
+        processes.push(ProcFigures {
+            name: name.clone(),
+            rss_start_mib: r0 as f64 / 1048576.0,
+            rss_end_mib: r1 as f64 / 1048576.0,
+            rss_growth: growth,
+            fds_start: f0,
+            fds_end: f1,
+        });
+    }
+    let (p99_s, count) = p99(buckets);
+    Report {
+        minutes: opts.minutes,
+        clients: opts.clients,
+        pods: opts.pods,
+        routers: ROUTERS,
+        time_scale: opts.time_scale,
+        requests_served: tally.ok,
+        failed: tally.failures.len(),
+        failed_injected,
+        failed_outside: outside.len(),
+        outside_examples: outside
+            .iter()
+            .take(10)
+            .map(|f| {
+                format!(
+                    "{:?} after {:.1}s: {}",
+                    f.pod,
+                    (f.end - f.start).as_secs_f64(),
+                    f.message
+                )
+            })
+            .collect(),
+        events,
+        processes,
+        added_latency_p99_ms: p99_s.map(|s| s * 1e3),
+        added_latency_count: count,
+        misses,
+    }
+}
+
+/// The report as the lines the command prints.
+pub fn summary(r: &Report) -> String {
+    let mut s = format!(
+        "soak: {:.1} min, {} clients, {} routers, {} pods (time scale {})\n\
+         soak: requests served {}, failed {} ({} injected: in flight on a crashed engine; {} outside injected faults)\n",
+        r.minutes,
+        r.clients,
+        r.routers,
+        r.pods,
+        r.time_scale,
+        r.requests_served,
+        r.failed,
+        r.failed_injected,
+        r.failed_outside
+    );
+    for e in &r.outside_examples {
+        s.push_str(&format!("soak:   outside: {e}\n"));
+    }
+    s.push_str(&format!("soak: events: {}\n", r.events.join(", ")));
+    for p in &r.processes {
+        s.push_str(&format!(
+            "soak: {:<16} RSS {:.1} -> {:.1} MiB ({:+.1} %), open fds {} -> {}\n",
+            p.name,
+            p.rss_start_mib,
+            p.rss_end_mib,
+            p.rss_growth * 100.0,
+            p.fds_start,
+            p.fds_end
+        ));
+    }
+    s.push_str(&format!(
+        "soak: added latency p99 {} over {} requests (routers' kvsight_router_added_latency_seconds, bucket bound)\n",
+        r.added_latency_p99_ms
+            .map_or("n/a".into(), |v| format!("<= {v:.2} ms")),
+        r.added_latency_count
+    ));
+    if r.misses.is_empty() {
+        s.push_str("soak: every target met\n");
+    } else {
+        for m in &r.misses {
+            s.push_str(&format!("soak: MISSED: {m}\n"));
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn p99_is_the_bound_of_the_bucket_holding_it_over_both_routers() {
+        let text = "kvsight_router_added_latency_seconds_bucket{le=\"0.001\"} 90\n\
+                    kvsight_router_added_latency_seconds_bucket{le=\"0.002\"} 98\n\
+                    kvsight_router_added_latency_seconds_bucket{le=\"0.004\"} 100\n\
+                    kvsight_router_added_latency_seconds_bucket{le=\"+Inf\"} 100\n";
+        let b = added_latency_buckets(text);
+        assert_eq!(b.len(), 4);
+        let (p, n) = p99(&[b.clone(), b]);
+        assert_eq!(n, 200);
+        assert_eq!(p, Some(0.004));
+        assert_eq!(p99(&[]), (None, 0));
+    }
+}
