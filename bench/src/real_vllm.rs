@@ -587,7 +587,7 @@ impl<'a> ModelRun<'a> {
         let mut s = Sight::default();
         let url = format!("{}/v1/completions", self.router_url);
         let chat_url = format!("{}/v1/chat/completions", self.router_url);
-        let preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(40, 100 + round);
+        let preamble = kvsight_sim::own_tokenizer::guidelines_preamble(40, 100 + round);
         let mut shared_pods = std::collections::BTreeSet::new();
         for n in 0..10 {
             let body = json!({"model": self.name, "prompt": format!("{preamble}Question {n}: name one factor."), "max_tokens": 4});
@@ -599,27 +599,27 @@ impl<'a> ModelRun<'a> {
         }
         s.shared_pods = shared_pods.len();
         // Multi-turn chat: three sessions of four turns.
-        let mut rng = kvsight_testbed::own_tokenizer::SeededRng::new(7 + round);
+        let mut rng = kvsight_sim::own_tokenizer::SeededRng::new(7 + round);
         for session in 0..3 {
             let mut messages = vec![
                 json!({"role": "system", "content": format!("You are assistant number {session}. Keep answers short.")}),
             ];
             for turn in 0..4 {
-                messages.push(json!({"role": "user", "content": kvsight_testbed::own_tokenizer::paragraph(&mut rng)}));
+                messages.push(json!({"role": "user", "content": kvsight_sim::own_tokenizer::paragraph(&mut rng)}));
                 let body = json!({"model": self.name, "messages": messages, "max_tokens": 4});
                 let (v, d) = post(http, &chat_url, &body).await?;
                 s.add(format!("chat {session}.{turn}"), &v, d.as_ref());
-                messages.push(json!({"role": "assistant", "content": kvsight_testbed::own_tokenizer::question(&mut rng)}));
+                messages.push(json!({"role": "assistant", "content": kvsight_sim::own_tokenizer::question(&mut rng)}));
             }
         }
         // Unique prompts.
         for n in 0..6 {
-            let body = json!({"model": self.name, "prompt": format!("Document {round}-{n}. {}", kvsight_testbed::own_tokenizer::paragraph(&mut rng)), "max_tokens": 4});
+            let body = json!({"model": self.name, "prompt": format!("Document {round}-{n}. {}", kvsight_sim::own_tokenizer::paragraph(&mut rng)), "max_tokens": 4});
             let (v, d) = post(http, &url, &body).await?;
             s.add(format!("unique {n}"), &v, d.as_ref());
         }
         // A batch: eight at once sharing a new preamble.
-        let batch_preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(30, 200 + round);
+        let batch_preamble = kvsight_sim::own_tokenizer::guidelines_preamble(30, 200 + round);
         let tasks: Vec<_> = (0..8)
             .map(|n| {
                 let (http, url) = (http.clone(), url.clone());

@@ -183,7 +183,7 @@ const PHI3_DIR: &str = concat!(
 );
 
 fn tokenize_bench(c: &mut Criterion) {
-    match kvsight_testbed::own_tokenizer::ensure_dir() {
+    match kvsight_sim::own_tokenizer::ensure_dir() {
         Ok(dir) => tokenize_chat(c, "own", &dir),
         Err(e) => eprintln!("skipped: tokenize_bench own: own tokenizer unavailable: {e}"),
     }
@@ -198,7 +198,7 @@ fn tokenize_bench(c: &mut Criterion) {
 /// Tokenize + hash of the same ~2k-token chat (120 guidelines as the system prompt).
 fn tokenize_chat(c: &mut Criterion, name: &str, dir: &std::path::Path) {
     let tok = model_tokenizer(&read_dir(dir).unwrap()).unwrap();
-    let system = kvsight_testbed::own_tokenizer::guidelines_preamble(120, 7);
+    let system = kvsight_sim::own_tokenizer::guidelines_preamble(120, 7);
     let body = serde_json::json!({
         "model": "m",
         "messages": [

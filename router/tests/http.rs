@@ -211,7 +211,7 @@ async fn tokenize_without_tokenizer_or_pod_is_an_openai_error() {
 
 #[tokio::test]
 async fn tokenize_answers_locally_with_the_models_tokenizer() {
-    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
+    let dir = match kvsight_sim::own_tokenizer::ensure_dir() {
         Ok(d) => d,
         Err(e) => {
             eprintln!("skipped: tokenize_answers_locally_with_the_models_tokenizer: {e}");

@@ -446,7 +446,7 @@ async fn shutdown_lets_an_in_flight_stream_finish_and_refuses_new_requests() {
 
 #[tokio::test]
 async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
-    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
+    let dir = match kvsight_sim::own_tokenizer::ensure_dir() {
         Ok(d) => d,
         Err(e) => {
             eprintln!("skipped: the_router_fetches_a_missing_tokenizer_from_the_sidecar: {e}");

@@ -16,11 +16,9 @@ use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer};
 use kvsight_router::tokenizer_check::check_pending;
+use kvsight_sim::engine::EngineConfig;
+use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles};
 use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, WAIT, eventually};
-use kvsight_testbed::sim::engine::EngineConfig;
-use kvsight_testbed::sim::server::{
-    SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles,
-};
 use kvsight_transport::tokenizer_dir::read as read_dir;
 use serde_json::{Value, json};
 
@@ -35,7 +33,7 @@ fn own_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::Tokeniz
 /// The project's Llama-2-shaped tokenizer files (sentencepiece-style: transformers 5 rebuilds
 /// it), or `None` (the test says "skipped") when they cannot be built here.
 fn llama2_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
-    match kvsight_testbed::llama2_tokenizer::ensure_dir() {
+    match kvsight_sim::llama2_tokenizer::ensure_dir() {
         Ok(dir) => Some(read_dir(&dir).unwrap()),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");
@@ -527,7 +525,7 @@ async fn a_fleet_half_on_transformers5_makes_the_model_approximate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transformers5_engine_is_routed_exactly_with_cached_tokens_predicted_right() {
     let test = "a_transformers5_engine_is_routed_exactly_with_cached_tokens_predicted_right";
-    let dir = match kvsight_testbed::llama2_tokenizer::ensure_dir() {
+    let dir = match kvsight_sim::llama2_tokenizer::ensure_dir() {
         Ok(dir) => dir,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 #[test]
 fn demo_json_passes_all_three_experiments_on_two_pods() {
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
+    if let Err(e) = kvsight_sim::own_tokenizer::ensure_dir() {
         eprintln!("skipped: demo_json_passes_all_three_experiments_on_two_pods: {e}");
         return;
     }
@@ -73,7 +73,7 @@ fn demo_serve_leaves_a_working_cluster_up_until_interrupted() {
     use std::io::{BufRead, BufReader, Read, Write};
     use std::time::{Duration, Instant};
 
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
+    if let Err(e) = kvsight_sim::own_tokenizer::ensure_dir() {
         eprintln!("skipped: demo_serve_leaves_a_working_cluster_up_until_interrupted: {e}");
         return;
     }

@@ -520,7 +520,7 @@ fn demo(extra: &[String]) -> Result<()> {
 
 /// The release binaries the comparison runs as separate processes.
 const BENCH_BINARIES: [(&str, &str); 4] = [
-    ("kvsight-testbed", "vllm-sim"),
+    ("kvsight-sim", "vllm-sim"),
     ("kvsight-router", "kvsight-router"),
     ("kvsight-sidecar", "kvsight-sidecar"),
     ("kvsight-bench", "kvsight-bench"),
