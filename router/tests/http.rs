@@ -219,7 +219,7 @@ async fn tokenize_answers_locally_with_the_models_tokenizer() {
         }
     };
     let files = kvsight_transport::tokenizer_dir::read(&dir).unwrap();
-    let direct = kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(
+    let direct = kvsight_tokenizer::ModelTokenizer::from_bytes(
         &files.tokenizer_json,
         files.tokenizer_config.as_deref(),
     )
@@ -261,10 +261,7 @@ async fn tokenize_answers_locally_with_the_models_tokenizer() {
     let v: Value = serde_json::from_slice(&b).unwrap();
     let want = direct
         .encode_chat(
-            &[kvsight_protocol::tokenizer::ChatMessage::new(
-                "user",
-                "Hello there",
-            )],
+            &[kvsight_tokenizer::ChatMessage::new("user", "Hello there")],
             true,
             &Default::default(),
         )

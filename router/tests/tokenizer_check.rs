@@ -11,7 +11,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
-use kvsight_protocol::tokenizer::Dialect;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer};
@@ -19,6 +18,7 @@ use kvsight_router::tokenizer_check::check_pending;
 use kvsight_sim::engine::EngineConfig;
 use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles};
 use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, WAIT, eventually};
+use kvsight_tokenizer::Dialect;
 use kvsight_transport::tokenizer_dir::read as read_dir;
 use serde_json::{Value, json};
 

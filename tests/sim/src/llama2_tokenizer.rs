@@ -185,8 +185,8 @@ pub fn ensure_dir() -> Result<PathBuf, OwnTokenizerError> {
     ensure_cached("kvsight-llama2-tokenizer", VERSION, &TRAINING, build)
 }
 
-/// The tokenizer as a [`kvsight_protocol::tokenizer::ModelTokenizer`] (transformers 4's
+/// The tokenizer as a [`kvsight_tokenizer::ModelTokenizer`] (transformers 4's
 /// reading), from the cache.
-pub fn load() -> Result<kvsight_protocol::tokenizer::ModelTokenizer, OwnTokenizerError> {
+pub fn load() -> Result<kvsight_tokenizer::ModelTokenizer, OwnTokenizerError> {
     crate::own_tokenizer::load_dir(&ensure_dir()?)
 }

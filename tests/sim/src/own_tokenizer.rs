@@ -72,9 +72,9 @@ pub enum OwnTokenizerError {
     /// The `tokenizers` crate failed to build, train or serialize.
     #[error("training the own tokenizer failed: {0}")]
     Train(String),
-    /// The cached files do not load as a [`kvsight_protocol::tokenizer::ModelTokenizer`].
+    /// The cached files do not load as a [`kvsight_tokenizer::ModelTokenizer`].
     #[error("loading the own tokenizer failed: {0}")]
-    Load(#[from] kvsight_protocol::tokenizer::TokenizerError),
+    Load(#[from] kvsight_tokenizer::TokenizerError),
 }
 
 /// The two files that make up the own tokenizer.
@@ -812,22 +812,20 @@ fn is_complete(dir: &Path) -> bool {
     dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file()
 }
 
-/// The own tokenizer as a [`kvsight_protocol::tokenizer::ModelTokenizer`], from the cache.
-pub fn load() -> Result<kvsight_protocol::tokenizer::ModelTokenizer, OwnTokenizerError> {
+/// The own tokenizer as a [`kvsight_tokenizer::ModelTokenizer`], from the cache.
+pub fn load() -> Result<kvsight_tokenizer::ModelTokenizer, OwnTokenizerError> {
     load_dir(&ensure_dir()?)
 }
 
-/// A cached tokenizer folder as a [`kvsight_protocol::tokenizer::ModelTokenizer`].
-pub(crate) fn load_dir(
-    dir: &Path,
-) -> Result<kvsight_protocol::tokenizer::ModelTokenizer, OwnTokenizerError> {
+/// A cached tokenizer folder as a [`kvsight_tokenizer::ModelTokenizer`].
+pub(crate) fn load_dir(dir: &Path) -> Result<kvsight_tokenizer::ModelTokenizer, OwnTokenizerError> {
     let read = |name: &str| {
         let path = dir.join(name);
         std::fs::read(&path).map_err(|source| OwnTokenizerError::Io { path, source })
     };
     let tokenizer_json = read("tokenizer.json")?;
     let config = read("tokenizer_config.json")?;
-    Ok(kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(
+    Ok(kvsight_tokenizer::ModelTokenizer::from_bytes(
         &tokenizer_json,
         Some(&config),
     )?)

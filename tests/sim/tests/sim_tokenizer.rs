@@ -8,9 +8,9 @@ mod sim_support;
 
 use std::path::PathBuf;
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect};
 use kvsight_sim::server::{SimConfig, SimPod, TokenizerFiles};
 use kvsight_sim::{llama2_tokenizer, own_tokenizer};
+use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect};
 use serde_json::json;
 use sim_support::post_json;
 
@@ -50,7 +50,7 @@ async fn own_tokenizer_over_http() -> anyhow::Result<()> {
     .await?
     .json()?;
     let chat = direct.encode_chat(
-        &[kvsight_protocol::tokenizer::ChatMessage::new("user", text)],
+        &[kvsight_tokenizer::ChatMessage::new("user", text)],
         true,
         &Default::default(),
     )?;

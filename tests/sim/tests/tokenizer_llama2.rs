@@ -3,8 +3,8 @@
 //! a `LlamaTokenizer` and rebuilds it, with `config.json` `model_type: llama`), and the fast
 //! paths of both dialects against their full pipelines on random text.
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
 use kvsight_sim::llama2_tokenizer;
+use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
 use proptest::prelude::*;
 use sha2::{Digest, Sha256};
 

@@ -3,8 +3,8 @@
 
 use std::time::Instant;
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, MessageContent, TokenizerError};
 use kvsight_sim::own_tokenizer::{self, SPECIAL_TOKENS};
+use kvsight_tokenizer::{ChatExtras, ChatMessage, MessageContent, TokenizerError};
 use sha2::{Digest, Sha256};
 
 /// sha256 of the produced tokenizer.json. A change means every token id (and so every block hash

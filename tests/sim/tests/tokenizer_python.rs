@@ -11,8 +11,8 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
 use kvsight_sim::own_tokenizer;
+use kvsight_tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
 use serde_json::{Value, json};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/check_tokenizer.py");

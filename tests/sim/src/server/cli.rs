@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kvsight_protocol::tokenizer::Dialect;
+use kvsight_tokenizer::Dialect;
 use serde::Deserialize;
 
 use super::{SimConfig, TokenizerFiles};

@@ -6,7 +6,7 @@
 //! byte-level (one token per UTF-8 byte, so shared text prefixes share token prefixes, which
 //! prefix caching needs) and generated ids become words from a fixed list.
 
-use kvsight_protocol::tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
+use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer};
 use serde_json::Value;
 
 use super::TokenizerFiles;
@@ -123,7 +123,7 @@ impl Codec {
 
 /// The built-in chat template: `<|role|>\ncontent<|end|>\n` per message.
 fn builtin_chat(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
-    use kvsight_protocol::tokenizer::MessageContent;
+    use kvsight_tokenizer::MessageContent;
     let mut out = String::new();
     for m in messages {
         let content = match &m.content {

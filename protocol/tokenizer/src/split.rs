@@ -372,7 +372,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::tokenizer::ModelTokenizer;
+    use crate::ModelTokenizer;
 
     #[test]
     fn byte_table_is_byte_levels_alphabet() {

@@ -1,5 +1,7 @@
-//! Tokenization exactly as vLLM does it, so the router's block-hash chain is computed over the
-//! very token ids the engine caches. A [`ModelTokenizer`] is built from the bytes of a model's
+//! kvsight-tokenizer: tokenization exactly as vLLM does it, so the router's block-hash chain is
+//! computed over the very token ids the engine caches. Its own crate (beside `kvsight-protocol`,
+//! whose hash it feeds) because only the router and the simulator tokenize: the sidecar ships
+//! tokenizer files without compiling `tokenizers`. A [`ModelTokenizer`] is built from the bytes of a model's
 //! `tokenizer.json` (HF `tokenizers` format) and `tokenizer_config.json` — they arrive over the
 //! wire or from the router's config, this crate does no I/O. Completions are encoded with
 //! `add_special_tokens=true` (the post-processor's BOS, if any); chat requests are first turned

@@ -1,36 +1,23 @@
 //! Dialects: the same tokenizer files read as transformers 4 and as transformers 5 read them
 //! (vLLM >= 0.32 runs transformers 5). Pinned ids from transformers 4.57 and 5.19 on Phi-3-mini's
-//! files (`../shared/fixtures`, read at test time; skipped when absent), rules checked on a
+//! files (`../shared/fixtures`, read at test time; a skip when absent,
+//! a failure under `CI=true`), rules checked on a
 //! Llama-2-shaped tokenizer built here, and the rebuilt dialect's fast path compared with its
 //! full `tokenizers` pipeline on adversarial and random text.
-#![cfg(feature = "tokenizer")]
 
-use std::path::PathBuf;
-
-use kvsight_protocol::tokenizer::{
-    ChatExtras, ChatMessage, Dialect, ModelTokenizer, TokenizerError,
-};
+use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer, TokenizerError};
 use serde_json::{Value as Json, json};
 
-const PHI3_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/tokenizers/phi-3-mini"
-);
+/// Phi-3-mini's tokenizer files, under `../shared`.
+const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
 
 /// Phi-3's tokenizer in `dialect`, or `None` (after printing the skip line) when the fixture is
 /// absent.
 fn phi3(test: &str, dialect: Dialect) -> Option<ModelTokenizer> {
-    let dir = PathBuf::from(PHI3_DIR);
-    let tokenizer_json = dir.join("tokenizer.json");
-    if !tokenizer_json.is_file() {
-        eprintln!(
-            "skipped: {test}: fixture {} absent",
-            tokenizer_json.display()
-        );
-        return None;
-    }
+    let tokenizer_json = kvsight_harness::fixture_or_skip(test, PHI3_JSON)?;
     let json = std::fs::read(&tokenizer_json).expect("read tokenizer.json");
-    let config = std::fs::read(dir.join("tokenizer_config.json")).expect("read config");
+    let config =
+        std::fs::read(tokenizer_json.with_file_name("tokenizer_config.json")).expect("read config");
     let tok = ModelTokenizer::from_bytes(&json, Some(&config)).expect("phi-3 tokenizer");
     Some(tok.in_dialect(dialect).expect("phi-3 in the dialect"))
 }

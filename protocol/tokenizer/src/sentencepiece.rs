@@ -183,7 +183,7 @@ mod tests {
     use serde_json::Value as Json;
 
     use super::*;
-    use crate::tokenizer::ModelTokenizer;
+    use crate::ModelTokenizer;
 
     /// A tiny sentencepiece-style tokenizer.json: byte fallback, `extra_vocab` and `merges`
     /// on top of "▁", a few letters and the 256 byte tokens, and a BOS post-processor.

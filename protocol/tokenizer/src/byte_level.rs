@@ -82,8 +82,8 @@ mod tests {
     };
 
     use super::*;
-    use crate::tokenizer::LONG_WHITESPACE_RUN;
-    use crate::tokenizer::ModelTokenizer;
+    use crate::LONG_WHITESPACE_RUN;
+    use crate::ModelTokenizer;
 
     /// Text that exercises every alternative of the pattern: contractions, letters and digits of
     /// several scripts, symbols, every kind of whitespace run, and the added tokens below.

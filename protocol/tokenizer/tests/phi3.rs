@@ -1,31 +1,17 @@
 //! The real Phi-3-mini tokenizer (from `../shared/fixtures`, read at test time) must give the ids
 //! vLLM gives; and the template/tokenizer error paths are typed errors, never panics.
-#![cfg(feature = "tokenizer")]
 
-use std::path::PathBuf;
+use kvsight_tokenizer::{ChatExtras, ChatMessage, ContentFormat, ModelTokenizer, TokenizerError};
 
-use kvsight_protocol::tokenizer::{
-    ChatExtras, ChatMessage, ContentFormat, ModelTokenizer, TokenizerError,
-};
-
-const PHI3_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/tokenizers/phi-3-mini"
-);
+/// Phi-3-mini's tokenizer files, under `../shared`.
+const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
 
 /// The Phi-3 tokenizer, or `None` (after printing the skip line) when the fixture is absent.
 fn phi3(test: &str) -> Option<ModelTokenizer> {
-    let dir = PathBuf::from(PHI3_DIR);
-    let tokenizer_json = dir.join("tokenizer.json");
-    if !tokenizer_json.is_file() {
-        eprintln!(
-            "skipped: {test}: fixture {} absent",
-            tokenizer_json.display()
-        );
-        return None;
-    }
+    let tokenizer_json = kvsight_harness::fixture_or_skip(test, PHI3_JSON)?;
     let json = std::fs::read(&tokenizer_json).expect("read tokenizer.json");
-    let config = std::fs::read(dir.join("tokenizer_config.json")).expect("read config");
+    let config =
+        std::fs::read(tokenizer_json.with_file_name("tokenizer_config.json")).expect("read config");
     Some(ModelTokenizer::from_bytes(&json, Some(&config)).expect("phi-3 tokenizer"))
 }
 
@@ -110,12 +96,12 @@ fn phi3_digest_identifies_the_inputs() {
     let again = phi3("phi3_digest_identifies_the_inputs").expect("present");
     assert_eq!(tok.digest(), again.digest());
     assert_eq!(tok.digest_hex().len(), 64);
-    let json = std::fs::read(PathBuf::from(PHI3_DIR).join("tokenizer.json")).expect("read");
-    let config =
-        std::fs::read(PathBuf::from(PHI3_DIR).join("tokenizer_config.json")).expect("read");
+    let path = kvsight_harness::shared_fixture(PHI3_JSON);
+    let json = std::fs::read(&path).expect("read");
+    let config = std::fs::read(path.with_file_name("tokenizer_config.json")).expect("read");
     assert_eq!(
         tok.digest(),
-        kvsight_protocol::tokenizer::tokenizer_digest(&json, Some(&config), None),
+        kvsight_tokenizer::tokenizer_digest(&json, Some(&config), None),
         "the files alone give the same digest"
     );
     let overridden = again.with_chat_template("{{ messages[0]['content'] }}");
