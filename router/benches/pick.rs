@@ -18,6 +18,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use kvsight_harness::messages;
 use kvsight_protocol::bloom::{BloomFilter, FilterParams};
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
@@ -25,7 +26,6 @@ use kvsight_router::config::SchedulerConfig;
 use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
 use kvsight_router::tokenize::model_tokenizer;
-use kvsight_testbed::messages;
 use kvsight_transport::tokenizer_dir::read as read_dir;
 
 const PODS: usize = 64;

@@ -4,4 +4,3 @@
 
 pub mod cluster;
 pub mod demo;
-pub mod messages;

@@ -1,11 +1,15 @@
 //! kvsight-harness: the helpers every kvsight test crate shares — a temporary folder removed on
 //! drop ([`TempDir`]), the one way a test skips itself ([`skip`], [`or_skip`],
-//! [`fixture_or_skip`]) and where the `../shared` fixtures are ([`shared_fixture`]).
+//! [`fixture_or_skip`]), where the `../shared` fixtures are ([`shared_fixture`]), protocol
+//! messages with ordinary values ([`messages`]) and a JSON POST that reads the router's decision
+//! ([`http::post_json`]).
 //!
-//! It depends on no kvsight crate on purpose: the protocol, the tokenizer, the simulator, the
-//! sidecar and the router all dev-depend on it, and a helper that pulled one of them in would make
-//! a dev-dependency cycle (a router edit rebuilding the sidecar's tests, and so on).
+//! Of kvsight it depends on the protocol only, on purpose: the tokenizer, the simulator, the
+//! sidecar and the router all dev-depend on it, and a helper that pulled one of them in would
+//! make a dev-dependency cycle (a router edit rebuilding the sidecar's tests, and so on).
 
+pub mod http;
+pub mod messages;
 mod skip;
 mod temp_dir;
 

@@ -817,16 +817,16 @@ pub fn load() -> Result<kvsight_tokenizer::ModelTokenizer, OwnTokenizerError> {
     load_dir(&ensure_dir()?)
 }
 
-/// A cached tokenizer folder as a [`kvsight_tokenizer::ModelTokenizer`].
+/// A cached tokenizer folder as a [`kvsight_tokenizer::ModelTokenizer`], read as `vllm-sim` reads
+/// a folder ([`crate::server::TokenizerFiles::from_dir`]).
 pub(crate) fn load_dir(dir: &Path) -> Result<kvsight_tokenizer::ModelTokenizer, OwnTokenizerError> {
-    let read = |name: &str| {
-        let path = dir.join(name);
-        std::fs::read(&path).map_err(|source| OwnTokenizerError::Io { path, source })
-    };
-    let tokenizer_json = read("tokenizer.json")?;
-    let config = read("tokenizer_config.json")?;
+    let files =
+        crate::server::TokenizerFiles::from_dir(dir).map_err(|source| OwnTokenizerError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
     Ok(kvsight_tokenizer::ModelTokenizer::from_bytes(
-        &tokenizer_json,
-        Some(&config),
+        &files.tokenizer_json,
+        Some(&files.tokenizer_config),
     )?)
 }
