@@ -177,21 +177,18 @@ fn pick_bench(c: &mut Criterion) {
 }
 
 /// The Phi-3-mini fixture (`../shared/fixtures`), absent on machines without the shared folder.
-const PHI3_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/tokenizers/phi-3-mini"
-);
+/// Phi-3-mini's tokenizer, under `../shared`.
+const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
 
 fn tokenize_bench(c: &mut Criterion) {
-    match kvsight_sim::own_tokenizer::ensure_dir() {
-        Ok(dir) => tokenize_chat(c, "own", &dir),
-        Err(e) => eprintln!("skipped: tokenize_bench own: own tokenizer unavailable: {e}"),
+    if let Some(dir) = kvsight_harness::or_skip(
+        "tokenize_bench own",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    ) {
+        tokenize_chat(c, "own", &dir);
     }
-    let phi3 = std::path::Path::new(PHI3_DIR);
-    if phi3.join("tokenizer.json").is_file() {
-        tokenize_chat(c, "phi3", phi3);
-    } else {
-        eprintln!("skipped: tokenize_bench phi3: fixture {PHI3_DIR} absent");
+    if let Some(json) = kvsight_harness::fixture_or_skip("tokenize_bench phi3", PHI3_JSON) {
+        tokenize_chat(c, "phi3", json.parent().expect("the fixture's folder"));
     }
 }
 

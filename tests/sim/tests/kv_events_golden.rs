@@ -6,10 +6,8 @@ use kvsight_sim::kv_events::{
     encode_event,
 };
 
-const GOLDEN: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/vllm/kv-events-golden.md"
-);
+/// vLLM's encoder output, under `../shared`.
+const GOLDEN: &str = "fixtures/vllm/kv-events-golden.md";
 
 const H1: u64 = 0x1111_1111_1111_1111;
 const H2: u64 = 0x2222_2222_2222_2222;
@@ -88,10 +86,12 @@ fn golden_cases(text: &str) -> Vec<(Layout, String, Vec<u8>)> {
 
 #[test]
 fn golden_payloads_match_vllm_byte_for_byte() {
-    let Ok(text) = std::fs::read_to_string(GOLDEN) else {
-        eprintln!("skipped: golden_payloads_match_vllm_byte_for_byte: fixture {GOLDEN} absent");
+    let Some(path) =
+        kvsight_harness::fixture_or_skip("golden_payloads_match_vllm_byte_for_byte", GOLDEN)
+    else {
         return;
     };
+    let text = std::fs::read_to_string(path).expect("read the golden fixture");
     let cases = golden_cases(&text);
     for layout in [Layout::Map, Layout::Array] {
         assert!(

@@ -273,8 +273,9 @@ async fn check_with_python(python: &str, layout: Layout, replay_layout: ReplayLa
 #[tokio::test]
 async fn pyzmq_and_msgspec_accept_the_stream_in_every_layout() {
     let Some(python) = std::env::var_os("KVSIGHT_PYTHON") else {
-        eprintln!(
-            "skipped: pyzmq_and_msgspec_accept_the_stream_in_every_layout: KVSIGHT_PYTHON unset"
+        kvsight_harness::skip(
+            "pyzmq_and_msgspec_accept_the_stream_in_every_layout",
+            "KVSIGHT_PYTHON unset",
         );
         return;
     };

@@ -6,18 +6,14 @@
 
 mod sim_support;
 
-use std::path::PathBuf;
-
 use kvsight_sim::server::{SimConfig, SimPod, TokenizerFiles};
 use kvsight_sim::{llama2_tokenizer, own_tokenizer};
 use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect};
 use serde_json::json;
 use sim_support::post_json;
 
-const PHI3_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/tokenizers/phi-3-mini"
-);
+/// Phi-3-mini's tokenizer, under `../shared`.
+const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
 
 fn files(dir: &std::path::Path) -> TokenizerFiles {
     TokenizerFiles::from_dir(dir).expect("tokenizer files")
@@ -121,14 +117,11 @@ async fn llama2_tokenizer_in_the_rebuilt_dialect_over_http() -> anyhow::Result<(
 
 #[tokio::test]
 async fn phi3_chat_ids_match_python() -> anyhow::Result<()> {
-    let dir = PathBuf::from(PHI3_DIR);
-    if !dir.join("tokenizer.json").is_file() {
-        eprintln!(
-            "skipped: phi3_chat_ids_match_python: fixture {} absent",
-            dir.join("tokenizer.json").display()
-        );
+    let Some(json) = kvsight_harness::fixture_or_skip("phi3_chat_ids_match_python", PHI3_JSON)
+    else {
         return Ok(());
-    }
+    };
+    let dir = json.parent().expect("the fixture's folder").to_path_buf();
     let pod = SimPod::start(SimConfig {
         tokenizer: Some(files(&dir)),
         ..SimConfig::default()

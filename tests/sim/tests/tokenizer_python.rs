@@ -6,7 +6,7 @@
 //! transformers' own `apply_chat_template` + `encode`, vLLM's actual path.
 
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -16,10 +16,8 @@ use kvsight_tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
 use serde_json::{Value, json};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/check_tokenizer.py");
-const PHI3_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/tokenizers/phi-3-mini"
-);
+/// Phi-3-mini's tokenizer, under `../shared`.
+const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
 /// Python startup plus loading a 32k-entry tokenizer takes a second or two; this only bounds a
 /// hung interpreter.
 const PYTHON_TIMEOUT: Duration = Duration::from_secs(120);
@@ -28,7 +26,7 @@ fn python(test: &str) -> Option<String> {
     match std::env::var("KVSIGHT_PYTHON") {
         Ok(p) if !p.is_empty() => Some(p),
         _ => {
-            eprintln!("skipped: {test}: KVSIGHT_PYTHON unset");
+            kvsight_harness::skip(test, "KVSIGHT_PYTHON unset");
             None
         }
     }
@@ -169,14 +167,17 @@ enum Reference {
 /// `$KVSIGHT_PYTHON` if it can import transformers 4.x (vLLM pins `< 5`), else prints why not.
 fn python_with_transformers(test: &str) -> Option<String> {
     let python = python(test)?;
-    let output = Command::new(&python)
-        .args(["-c", "import transformers; print(transformers.__version__)"])
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
+    let output = kvsight_harness::or_skip(
+        test,
+        Command::new(&python)
+            .args(["-c", "import transformers; print(transformers.__version__)"])
+            .stderr(Stdio::null())
+            .output()
+            .map_err(|e| format!("running $KVSIGHT_PYTHON: {e}")),
+    )?;
     let version = String::from_utf8_lossy(&output.stdout).trim().to_owned();
     if !output.status.success() || !version.starts_with("4.") {
-        eprintln!("skipped: {test}: transformers 4.x not installed in $KVSIGHT_PYTHON");
+        kvsight_harness::skip(test, "transformers 4.x not installed in $KVSIGHT_PYTHON");
         return None;
     }
     Some(python)
@@ -228,11 +229,10 @@ fn phi3_matches_python() {
     let Some(python) = python(test) else {
         return;
     };
-    let dir = PathBuf::from(PHI3_DIR);
-    if !dir.join("tokenizer.json").is_file() {
-        eprintln!("skipped: {test}: fixture {} absent", dir.display());
+    let Some(json) = kvsight_harness::fixture_or_skip(test, PHI3_JSON) else {
         return;
-    }
+    };
+    let dir = json.parent().expect("the fixture's folder").to_path_buf();
     compare(&dir, &python, Reference::Reimplementation);
 }
 
@@ -242,11 +242,10 @@ fn phi3_matches_transformers() {
     let Some(python) = python_with_transformers(test) else {
         return;
     };
-    let dir = PathBuf::from(PHI3_DIR);
-    if !dir.join("tokenizer.json").is_file() {
-        eprintln!("skipped: {test}: fixture {} absent", dir.display());
+    let Some(json) = kvsight_harness::fixture_or_skip(test, PHI3_JSON) else {
         return;
-    }
+    };
+    let dir = json.parent().expect("the fixture's folder").to_path_buf();
     compare(&dir, &python, Reference::Transformers);
 }
 

@@ -68,7 +68,8 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
 }
 
 /// The project's own tokenizer directory that every [`PodSpec`] serves, built on first use; or,
-/// when it cannot be built or loaded, `None` after printing `skipped: <test>: <why>`.
+/// when it cannot be built or loaded, `None` after [`kvsight_harness::skip`] (which fails the
+/// test under `CI=true`).
 ///
 /// Scenario tests begin with it so a machine where the tokenizer cannot be trained (an
 /// unwritable target directory, say) reports a visible skip instead of failing inside a
