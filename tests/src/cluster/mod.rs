@@ -134,6 +134,18 @@ async fn rebind<T>(
     }
 }
 
+/// [`rebind`] for a TCP listener, handed over to tokio.
+async fn rebind_tcp(what: &str, addr: SocketAddr) -> Result<tokio::net::TcpListener, ClusterError> {
+    let listener = rebind(&format!("{what} {addr}"), || {
+        std::net::TcpListener::bind(addr)
+    })
+    .await?;
+    listener
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::TcpListener::from_std(listener))
+        .map_err(io(format!("{what} listener")))
+}
+
 /// One pod to run: the simulator's configuration and what its sidecar is told.
 #[derive(Debug, Clone)]
 pub struct PodSpec {
@@ -470,15 +482,7 @@ impl Cluster {
                 after: within,
             });
         }
-        let http = rebind(&format!("router HTTP {http_addr}"), || {
-            std::net::TcpListener::bind(http_addr)
-        })
-        .await
-        .and_then(|l| {
-            l.set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpListener::from_std(l))
-                .map_err(io("router HTTP listener"))
-        })?;
+        let http = rebind_tcp("router HTTP", http_addr).await?;
         let quic = rebind(&format!("router QUIC {quic_addr}"), || {
             std::net::UdpSocket::bind(quic_addr)
         })
@@ -728,15 +732,7 @@ impl Cluster {
         i: usize,
         addr: SocketAddr,
     ) -> Result<(), ClusterError> {
-        let listener = rebind(&format!("sidecar {addr}"), || {
-            std::net::TcpListener::bind(addr)
-        })
-        .await
-        .and_then(|l| {
-            l.set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpListener::from_std(l))
-                .map_err(io("sidecar listener"))
-        })?;
+        let listener = rebind_tcp("sidecar", addr).await?;
         let sidecar = self.start_sidecar(&self.pods[i], listener)?;
         self.pods[i].sidecar = Some(sidecar);
         Ok(())
