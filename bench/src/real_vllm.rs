@@ -740,8 +740,8 @@ struct Sight {
     exact: usize,
     predicted: u64,
     cached: u64,
-    /// The requests whose prediction missed: (which, predicted, cached).
-    misses: Vec<(String, Option<u64>, Option<u64>)>,
+    /// The requests whose prediction missed.
+    misses: Vec<Miss>,
     /// The concurrent batch, judged by its sum: the router credits the batch's shared prefix to
     /// every request after the first it routes, but which request reaches the engine first is
     /// the network's choice (separate connections), so the engine may hand the hit to another
@@ -749,6 +749,17 @@ struct Sight {
     /// split batch changes it.
     batch: (u64, u64),
     shared_pods: usize,
+}
+
+/// A request whose prediction missed (or whose answer lacked one of the two counts).
+#[derive(Debug)]
+struct Miss {
+    which: String,
+    predicted: Option<u64>,
+    cached: Option<u64>,
+    /// A member of the concurrent batch: its misses fail the check, whereas sequential misses
+    /// are allowed up to 1 %.
+    in_batch: bool,
 }
 
 /// (predicted, cached) of one answer, when both are present.
@@ -771,7 +782,12 @@ impl Sight {
                 return;
             }
         }
-        self.misses.push((which, predicted, cached));
+        self.misses.push(Miss {
+            which,
+            predicted,
+            cached,
+            in_batch: false,
+        });
     }
 
     fn add_batch(&mut self, which: String, resp: &Value, decision: Option<&Value>) {
@@ -780,7 +796,12 @@ impl Sight {
                 self.batch.0 += p;
                 self.batch.1 += c;
             }
-            (p, c) => self.misses.push((which, p, c)),
+            (predicted, cached) => self.misses.push(Miss {
+                which,
+                predicted,
+                cached,
+                in_batch: true,
+            }),
         }
     }
 
@@ -788,7 +809,7 @@ impl Sight {
     fn ok(&self) -> bool {
         self.exact as f64 >= 0.99 * self.total as f64
             && self.batch.0 == self.batch.1
-            && self.misses.iter().all(|(w, ..)| !w.starts_with("batch"))
+            && !self.misses.iter().any(|m| m.in_batch)
     }
 
     /// A check's detail: the counts and every miss.
@@ -796,7 +817,12 @@ impl Sight {
         let misses: String = self
             .misses
             .iter()
-            .map(|(w, p, c)| format!("; {w}: predicted {p:?}, cached {c:?}"))
+            .map(|m| {
+                format!(
+                    "; {}: predicted {:?}, cached {:?}",
+                    m.which, m.predicted, m.cached
+                )
+            })
             .collect();
         format!(
             "{} of {} sequential requests exact ({:.1} %), predicted {} vs cached {} tokens in all; \
