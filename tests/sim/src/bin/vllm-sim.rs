@@ -4,8 +4,10 @@
 
 use clap::Parser;
 use kvsight_sim::server::{Args, SimPod};
+use kvsight_transport::exit::EXIT_CONFIG;
 
-const EXIT_USAGE: i32 = 64;
+/// A bad flag: the exit code the router and the sidecar use for a wrong configuration.
+const EXIT_USAGE: i32 = EXIT_CONFIG as i32;
 
 #[tokio::main]
 async fn main() {
