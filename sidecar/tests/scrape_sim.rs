@@ -11,25 +11,8 @@ use kvsight_sim::engine::EngineConfig;
 use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle};
 use serde_json::{Value, json};
 
-/// A fast engine: no compile stall, steps 1000× shorter than the cost model says.
-fn fast_engine() -> EngineConfig {
-    EngineConfig::builder()
-        .compile_stall(Duration::ZERO)
-        .time_scale(0.001)
-        .build()
-        .expect("engine config")
-}
-
 async fn pod(config: SimConfig) -> SimPodHandle {
     SimPod::start(config).await.expect("pod starts")
-}
-
-fn details_config() -> SimConfig {
-    SimConfig {
-        engine: fast_engine(),
-        enable_prompt_tokens_details: true,
-        ..SimConfig::default()
-    }
 }
 
 /// POSTs a completion request and reads the whole answer.
@@ -56,7 +39,7 @@ async fn metrics_parse_with_the_sidecar_and_show_max_num_seqs() -> anyhow::Resul
         engine: EngineConfig {
             max_num_seqs: 2,
             time_scale: 1.0,
-            ..fast_engine()
+            ..EngineConfig::fast()
         },
         ..SimConfig::default()
     })
@@ -105,8 +88,10 @@ async fn metrics_have_the_fixture_names_types_and_labels() -> anyhow::Result<()>
     };
     let fixture = std::fs::read_to_string(path)?;
     let p = pod(SimConfig {
+        engine: EngineConfig::fast(),
         lora_modules: vec![("sql-lora".into(), "/a".into())],
-        ..details_config()
+        enable_prompt_tokens_details: true,
+        ..SimConfig::default()
     })
     .await;
     post(

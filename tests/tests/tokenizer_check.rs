@@ -15,20 +15,6 @@ use serde_json::json;
 
 const MODEL: &str = "m";
 
-/// Status, body as JSON, and the `x-kvsight-decision` header's `prefix_mode`.
-async fn post(url: &str, body: &Value) -> (u16, Value, Option<String>) {
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
-    let a = post_json(&http, url, body).await.unwrap();
-    let mode = a
-        .decision
-        .map(|d| d["prefix_mode"].as_str().unwrap().to_owned());
-    (
-        a.status,
-        serde_json::from_str(&a.text).unwrap_or(Value::Null),
-        mode,
-    )
-}
-
 /// End to end (vllm-sim on transformers 5, a real sidecar sending the files, a router over QUIC):
 /// the router chooses the rebuilt dialect, so its block hashes are the engine's — the pod's
 /// filter matches a shared system prompt and the cached tokens it predicts are the ones the
@@ -78,9 +64,10 @@ async fn a_transformers5_engine_is_routed_exactly_with_cached_tokens_predicted_r
     let engine_ids = |n: usize| {
         let url = format!("{}/tokenize", cluster.pods[0].vllm_url());
         async move {
-            let (s, body, _) = post(&url, &chat(n)).await;
-            assert_eq!(s, 200, "{body}");
-            body["tokens"].clone()
+            let http = reqwest::Client::builder().no_proxy().build().unwrap();
+            let a = post_json(&http, &url, &chat(n)).await.unwrap();
+            assert_eq!(a.status, 200, "{}", a.text);
+            serde_json::from_str::<Value>(&a.text).unwrap()["tokens"].clone()
         }
     };
     let (first, second) = (chain(engine_ids(1).await), chain(engine_ids(2).await));

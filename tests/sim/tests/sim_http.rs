@@ -11,22 +11,13 @@ use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle};
 use serde_json::{Value, json};
 use sim_support::{get, metric, post_json};
 
-/// A fast engine: no compile stall, steps 1000× shorter than the cost model says.
-fn fast_engine() -> EngineConfig {
-    EngineConfig::builder()
-        .compile_stall(Duration::ZERO)
-        .time_scale(0.001)
-        .build()
-        .expect("engine config")
-}
-
 async fn pod(config: SimConfig) -> SimPodHandle {
     SimPod::start(config).await.expect("pod starts")
 }
 
 fn details_config() -> SimConfig {
     SimConfig {
-        engine: fast_engine(),
+        engine: EngineConfig::fast(),
         enable_prompt_tokens_details: true,
         ..SimConfig::default()
     }
@@ -67,7 +58,7 @@ async fn repeated_prompt_hits_exactly_its_full_blocks() -> anyhow::Result<()> {
     let off = pod(SimConfig {
         engine: EngineConfig {
             enable_prefix_caching: false,
-            ..fast_engine()
+            ..EngineConfig::fast()
         },
         enable_prompt_tokens_details: true,
         ..SimConfig::default()
@@ -163,7 +154,7 @@ async fn errors_match_vllm_bodies() -> anyhow::Result<()> {
     let p = pod(SimConfig {
         engine: EngineConfig {
             max_model_len: 64,
-            ..fast_engine()
+            ..EngineConfig::fast()
         },
         ..SimConfig::default()
     })
@@ -238,7 +229,7 @@ async fn errors_match_vllm_bodies() -> anyhow::Result<()> {
 #[tokio::test]
 async fn stream_is_read_as_pydantics_lax_bool() -> anyhow::Result<()> {
     let p = pod(SimConfig {
-        engine: fast_engine(),
+        engine: EngineConfig::fast(),
         ..SimConfig::default()
     })
     .await;
@@ -535,7 +526,7 @@ async fn long_prompts_exhaust_blocks_preempt_and_still_complete() -> anyhow::Res
             num_gpu_blocks: 64,
             max_model_len: 512,
             time_scale: 0.05,
-            ..fast_engine()
+            ..EngineConfig::fast()
         },
         ..SimConfig::default()
     })

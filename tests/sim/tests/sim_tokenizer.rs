@@ -12,8 +12,8 @@ use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect};
 use serde_json::json;
 use sim_support::post_json;
 
-/// Phi-3-mini's tokenizer, under `../shared`.
-const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
+/// Phi-3-mini's tokenizer folder, under `../shared`.
+const PHI3_DIR: &str = "fixtures/tokenizers/phi-3-mini";
 
 fn files(dir: &std::path::Path) -> TokenizerFiles {
     TokenizerFiles::from_dir(dir).expect("tokenizer files")
@@ -117,11 +117,9 @@ async fn llama2_tokenizer_in_the_rebuilt_dialect_over_http() -> anyhow::Result<(
 
 #[tokio::test]
 async fn phi3_chat_ids_match_python() -> anyhow::Result<()> {
-    let Some(json) = kvsight_harness::fixture_or_skip("phi3_chat_ids_match_python", PHI3_JSON)
-    else {
+    let Some(dir) = kvsight_harness::fixture_or_skip("phi3_chat_ids_match_python", PHI3_DIR) else {
         return Ok(());
     };
-    let dir = json.parent().expect("the fixture's folder").to_path_buf();
     let pod = SimPod::start(SimConfig {
         tokenizer: Some(files(&dir)),
         ..SimConfig::default()

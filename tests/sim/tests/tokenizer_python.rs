@@ -16,8 +16,8 @@ use kvsight_tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
 use serde_json::{Value, json};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/check_tokenizer.py");
-/// Phi-3-mini's tokenizer, under `../shared`.
-const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
+/// Phi-3-mini's tokenizer folder, under `../shared`.
+const PHI3_DIR: &str = "fixtures/tokenizers/phi-3-mini";
 /// Python startup plus loading a 32k-entry tokenizer takes a second or two; this only bounds a
 /// hung interpreter.
 const PYTHON_TIMEOUT: Duration = Duration::from_secs(120);
@@ -229,10 +229,9 @@ fn phi3_matches_python() {
     let Some(python) = python(test) else {
         return;
     };
-    let Some(json) = kvsight_harness::fixture_or_skip(test, PHI3_JSON) else {
+    let Some(dir) = kvsight_harness::fixture_or_skip(test, PHI3_DIR) else {
         return;
     };
-    let dir = json.parent().expect("the fixture's folder").to_path_buf();
     compare(&dir, &python, Reference::Reimplementation);
 }
 
@@ -242,10 +241,9 @@ fn phi3_matches_transformers() {
     let Some(python) = python_with_transformers(test) else {
         return;
     };
-    let Some(json) = kvsight_harness::fixture_or_skip(test, PHI3_JSON) else {
+    let Some(dir) = kvsight_harness::fixture_or_skip(test, PHI3_DIR) else {
         return;
     };
-    let dir = json.parent().expect("the fixture's folder").to_path_buf();
     compare(&dir, &python, Reference::Transformers);
 }
 

@@ -101,6 +101,16 @@ impl EngineConfig {
         }
     }
 
+    /// The defaults without the compile stall and with steps 1000× shorter than the cost model
+    /// says: an engine for tests that care about what it computes, not how long it takes.
+    pub fn fast() -> EngineConfig {
+        Self::builder()
+            .compile_stall(Duration::ZERO)
+            .time_scale(0.001)
+            .build()
+            .expect("the defaults are valid")
+    }
+
     /// Checks every field; the builder calls this, and so does [`super::Engine::new`] for configs
     /// assembled by hand.
     pub fn validate(&self) -> Result<(), ConfigError> {
