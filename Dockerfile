@@ -40,13 +40,13 @@ USER 65532:65532
 EXPOSE 9090/tcp
 ENTRYPOINT ["/usr/local/bin/kvsight-sidecar"]
 
-# vllm-sim (tests/): its own build step, so the router and sidecar images never wait for the
-# testbed crate. The project's own tokenizer is trained here once and baked in; the chart's init
+# vllm-sim (tests/sim/, crate kvsight-sim): its own build step, so the router and sidecar images
+# never wait for the simulator. The project's own tokenizer is trained here once and baked in; the chart's init
 # container exports it (`--export-tokenizer`) for the pod's sidecar to offer routers.
 FROM build AS build-sim
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p kvsight-testbed --bin vllm-sim \
+    cargo build --release --locked -p kvsight-sim --bin vllm-sim \
  && install -D -m 0755 target/release/vllm-sim /out/vllm-sim \
  && /out/vllm-sim --export-tokenizer /out/tokenizer
 

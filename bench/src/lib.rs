@@ -83,8 +83,8 @@ pub async fn run(opts: Options) -> Result<Outcome> {
     std::fs::create_dir_all(&opts.out)?;
     let logs = opts.out.join("logs");
     let _ = std::fs::remove_dir_all(&logs);
-    let tokenizer_dir = kvsight_testbed::own_tokenizer::ensure_dir()?;
-    let tok = kvsight_testbed::own_tokenizer::load()?;
+    let tokenizer_dir = kvsight_sim::own_tokenizer::ensure_dir()?;
+    let tok = kvsight_sim::own_tokenizer::load()?;
     let cost = CostModel::h100_8b(opts.time_scale).with(&opts.engine);
     let http = reqwest::Client::builder()
         .no_proxy()

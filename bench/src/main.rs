@@ -176,14 +176,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::TokenizerDirs => {
-            println!(
-                "{}",
-                kvsight_testbed::own_tokenizer::ensure_dir()?.display()
-            );
-            println!(
-                "{}",
-                kvsight_testbed::llama2_tokenizer::ensure_dir()?.display()
-            );
+            println!("{}", kvsight_sim::own_tokenizer::ensure_dir()?.display());
+            println!("{}", kvsight_sim::llama2_tokenizer::ensure_dir()?.display());
             Ok(())
         }
         Cmd::RealVllm {
@@ -207,11 +201,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 // tokenizer that transformers 5 rebuilds.
                 parsed.push((
                     "tiny-bpe".to_owned(),
-                    kvsight_testbed::own_tokenizer::ensure_dir()?,
+                    kvsight_sim::own_tokenizer::ensure_dir()?,
                 ));
                 parsed.push((
                     "tiny-sp".to_owned(),
-                    kvsight_testbed::llama2_tokenizer::ensure_dir()?,
+                    kvsight_sim::llama2_tokenizer::ensure_dir()?,
                 ));
             }
             let opts = kvsight_bench::real_vllm::Options {

@@ -160,7 +160,7 @@ pub async fn run(opts: &Options) -> Result<Report> {
     std::fs::create_dir_all(&opts.out)?;
     let logs = opts.out.join("logs");
     let _ = std::fs::remove_dir_all(&logs);
-    let tokenizer_dir = kvsight_testbed::own_tokenizer::ensure_dir()?;
+    let tokenizer_dir = kvsight_sim::own_tokenizer::ensure_dir()?;
     let cost = CostModel::h100_8b(opts.time_scale);
     let http = reqwest::Client::builder()
         .no_proxy()

@@ -9,8 +9,8 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use kvsight_protocol::tokenizer::ModelTokenizer;
-use kvsight_testbed::own_tokenizer::{SeededRng, guideline, paragraph, question};
+use kvsight_sim::own_tokenizer::{SeededRng, guideline, paragraph, question};
+use kvsight_tokenizer::ModelTokenizer;
 use serde_json::{Value, json};
 
 use crate::cost::CostModel;
@@ -184,7 +184,7 @@ pub fn build(
     let chat_tokens = |msgs: &[(&str, &str)]| -> u32 {
         let msgs: Vec<_> = msgs
             .iter()
-            .map(|(r, c)| kvsight_protocol::tokenizer::ChatMessage::new(*r, *c))
+            .map(|(r, c)| kvsight_tokenizer::ChatMessage::new(*r, *c))
             .collect();
         tok.encode_chat(&msgs, true, &Default::default())
             .map_or(0, |ids| ids.len() as u32)
@@ -206,7 +206,7 @@ pub fn build(
     match kind {
         Kind::SharedPrefix => {
             // The demo's: 40 guidelines (≈ 756 tokens), then "Question n: name one factor."
-            let preamble = kvsight_testbed::own_tokenizer::guidelines_preamble(40, 7);
+            let preamble = kvsight_sim::own_tokenizer::guidelines_preamble(40, 7);
             count = count_override.unwrap_or(if quick { 200 } else { 240 });
             for n in 0..count {
                 let p = format!("{preamble}Question {n}: name one factor.");

@@ -11,11 +11,42 @@
 //! Deltas are lists of bit positions whose value changed since the last published version
 //! (an XOR), so applying `delta(a → b)` to `a` yields exactly `b`, and the bytes on the wire grow
 //! with the number of blocks that changed, not with the size of the cache.
+//!
+//! The filter owns its wire forms, [`CacheSnapshot`] and [`CacheDelta`] (with the delta's gap
+//! coding): `messages` carries and validates them but the filter never imports a message, so the
+//! dependency runs one way.
 
 use serde::{Deserialize, Serialize};
 
-use crate::messages::{CacheDelta, CacheSnapshot};
 use crate::splitmix::splitmix64;
+
+/// The whole Bloom filter at a version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheSnapshot {
+    pub version: u64,
+    pub params: FilterParams,
+    /// Blocks the sidecar knows resident (for display; the bits are what matter).
+    pub resident_blocks: u64,
+    /// The filter's words, little-endian, `params.num_blocks * 64` bytes.
+    #[serde(with = "serde_bytes")]
+    pub bits: Vec<u8>,
+}
+
+/// The bits that changed from `base_version` to `version` (= `base_version + 1`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheDelta {
+    pub base_version: u64,
+    pub version: u64,
+    pub resident_blocks: u64,
+    /// Strictly increasing bit positions to flip; on the wire as varint gaps, so a change of N
+    /// blocks costs about N × 8 bytes whatever the filter's size.
+    #[serde(with = "gaps")]
+    pub toggles: Vec<u32>,
+    /// Milliseconds from the engine publishing the oldest KV event this delta carries to the
+    /// delta leaving the sidecar (both clocks are the pod's), when known. The router adds half
+    /// the round trip for the view's staleness, without comparing clocks across machines.
+    pub age_ms: Option<u32>,
+}
 
 /// Words of 64 bits in one filter block (one cache line).
 pub const WORDS_PER_BLOCK: usize = 8;
@@ -583,5 +614,45 @@ impl CountingFilter {
             toggles,
             age_ms: None,
         })
+    }
+}
+
+/// Strictly increasing `u32`s as the first value and then the gaps between neighbours. Postcard
+/// writes `u32` as a varint, so dense or clustered positions take one or two bytes each.
+mod gaps {
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        let mut prev = None;
+        let mut out = Vec::with_capacity(v.len());
+        for &x in v {
+            out.push(match prev {
+                None => x,
+                // Unsorted input would encode garbage silently; saturate and let the decoder's
+                // strictness check reject it instead of panicking in a serializer.
+                Some(p) => x.saturating_sub(p),
+            });
+            prev = Some(x);
+        }
+        out.serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        let raw = Vec::<u32>::deserialize(d)?;
+        let mut out = Vec::with_capacity(raw.len());
+        let mut prev: Option<u32> = None;
+        for gap in raw {
+            let x = match prev {
+                None => gap,
+                Some(_) if gap == 0 => return Err(D::Error::custom("repeated delta position")),
+                Some(p) => p
+                    .checked_add(gap)
+                    .ok_or_else(|| D::Error::custom("delta position overflows u32"))?,
+            };
+            out.push(x);
+            prev = Some(x);
+        }
+        Ok(out)
     }
 }

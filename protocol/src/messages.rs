@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::bloom::FilterParams;
+pub use crate::bloom::{CacheDelta, CacheSnapshot};
 
 /// Version of everything in this crate that crosses the wire, including the canonical hash.
 pub const PROTOCOL_VERSION: u16 = 2;
@@ -184,34 +184,6 @@ pub struct Load {
     pub lora_running: Vec<String>,
     /// LoRA adapters with waiting requests.
     pub lora_waiting: Vec<String>,
-}
-
-/// The whole Bloom filter at a version.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CacheSnapshot {
-    pub version: u64,
-    pub params: FilterParams,
-    /// Blocks the sidecar knows resident (for display; the bits are what matter).
-    pub resident_blocks: u64,
-    /// The filter's words, little-endian, `params.num_blocks * 64` bytes.
-    #[serde(with = "serde_bytes")]
-    pub bits: Vec<u8>,
-}
-
-/// The bits that changed from `base_version` to `version` (= `base_version + 1`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CacheDelta {
-    pub base_version: u64,
-    pub version: u64,
-    pub resident_blocks: u64,
-    /// Strictly increasing bit positions to flip; on the wire as varint gaps, so a change of N
-    /// blocks costs about N × 8 bytes whatever the filter's size.
-    #[serde(with = "gaps")]
-    pub toggles: Vec<u32>,
-    /// Milliseconds from the engine publishing the oldest KV event this delta carries to the
-    /// delta leaving the sidecar (both clocks are the pod's), when known. The router adds half
-    /// the round trip for the view's staleness, without comparing clocks across machines.
-    pub age_ms: Option<u32>,
 }
 
 /// Asks for the tokenizer of a model.
@@ -500,45 +472,5 @@ impl RouterMessage {
             | RouterMessage::ResyncRequest
             | RouterMessage::Goodbye(_) => Ok(()),
         }
-    }
-}
-
-/// Strictly increasing `u32`s as the first value and then the gaps between neighbours. Postcard
-/// writes `u32` as a varint, so dense or clustered positions take one or two bytes each.
-mod gaps {
-    use serde::de::Error as _;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    pub(super) fn serialize<S: Serializer>(v: &[u32], s: S) -> Result<S::Ok, S::Error> {
-        let mut prev = None;
-        let mut out = Vec::with_capacity(v.len());
-        for &x in v {
-            out.push(match prev {
-                None => x,
-                // Unsorted input would encode garbage silently; saturate and let the decoder's
-                // strictness check reject it instead of panicking in a serializer.
-                Some(p) => x.saturating_sub(p),
-            });
-            prev = Some(x);
-        }
-        out.serialize(s)
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
-        let raw = Vec::<u32>::deserialize(d)?;
-        let mut out = Vec::with_capacity(raw.len());
-        let mut prev: Option<u32> = None;
-        for gap in raw {
-            let x = match prev {
-                None => gap,
-                Some(_) if gap == 0 => return Err(D::Error::custom("repeated delta position")),
-                Some(p) => p
-                    .checked_add(gap)
-                    .ok_or_else(|| D::Error::custom("delta position overflows u32"))?,
-            };
-            out.push(x);
-            prev = Some(x);
-        }
-        Ok(out)
     }
 }

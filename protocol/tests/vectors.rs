@@ -127,3 +127,30 @@ fn hello_frame_bytes_are_pinned() {
     assert_eq!(hex, PINNED_HELLO);
 }
 const PINNED_HELLO: &str = "000000460002070170026e7308687474703a2f2f78010f6b7673696768742e696f2f706f6f6c0573686f727410e807018002802001801006302e33332e3001016d000005302e312e3064";
+
+/// A snapshot and a delta on the wire: the filter owns these types (`bloom.rs`) and the messages
+/// carry them, and the bytes were pinned when they moved there from `messages.rs`.
+#[test]
+fn snapshot_and_delta_frame_bytes_are_pinned() {
+    let snapshot = SidecarMessage::CacheSnapshot(CacheSnapshot {
+        version: 3,
+        params: FilterParams { num_blocks: 1 },
+        resident_blocks: 2,
+        bits: (0..64).collect(),
+    });
+    let delta = SidecarMessage::CacheDelta(CacheDelta {
+        base_version: 3,
+        version: 4,
+        resident_blocks: 1,
+        toggles: vec![5, 6, 300, 511],
+        age_ms: Some(12),
+    });
+    let hex = |m: &SidecarMessage| -> String {
+        let bytes = frame::encode(m).unwrap();
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    };
+    assert_eq!(hex(&snapshot), PINNED_SNAPSHOT);
+    assert_eq!(hex(&delta), PINNED_DELTA);
+}
+const PINNED_SNAPSHOT: &str = "000000450203010240000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f";
+const PINNED_DELTA: &str = "0000000d03030401040501a602d301010c";

@@ -18,6 +18,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use kvsight_harness::messages;
 use kvsight_protocol::bloom::{BloomFilter, FilterParams};
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
@@ -25,7 +26,6 @@ use kvsight_router::config::SchedulerConfig;
 use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
 use kvsight_router::tokenize::model_tokenizer;
-use kvsight_testbed::messages;
 use kvsight_transport::tokenizer_dir::read as read_dir;
 
 const PODS: usize = 64;
@@ -177,28 +177,25 @@ fn pick_bench(c: &mut Criterion) {
 }
 
 /// The Phi-3-mini fixture (`../shared/fixtures`), absent on machines without the shared folder.
-const PHI3_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/tokenizers/phi-3-mini"
-);
+/// Phi-3-mini's tokenizer, under `../shared`.
+const PHI3_JSON: &str = "fixtures/tokenizers/phi-3-mini/tokenizer.json";
 
 fn tokenize_bench(c: &mut Criterion) {
-    match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(dir) => tokenize_chat(c, "own", &dir),
-        Err(e) => eprintln!("skipped: tokenize_bench own: own tokenizer unavailable: {e}"),
+    if let Some(dir) = kvsight_harness::or_skip(
+        "tokenize_bench own",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    ) {
+        tokenize_chat(c, "own", &dir);
     }
-    let phi3 = std::path::Path::new(PHI3_DIR);
-    if phi3.join("tokenizer.json").is_file() {
-        tokenize_chat(c, "phi3", phi3);
-    } else {
-        eprintln!("skipped: tokenize_bench phi3: fixture {PHI3_DIR} absent");
+    if let Some(json) = kvsight_harness::fixture_or_skip("tokenize_bench phi3", PHI3_JSON) {
+        tokenize_chat(c, "phi3", json.parent().expect("the fixture's folder"));
     }
 }
 
 /// Tokenize + hash of the same ~2k-token chat (120 guidelines as the system prompt).
 fn tokenize_chat(c: &mut Criterion, name: &str, dir: &std::path::Path) {
     let tok = model_tokenizer(&read_dir(dir).unwrap()).unwrap();
-    let system = kvsight_testbed::own_tokenizer::guidelines_preamble(120, 7);
+    let system = kvsight_sim::own_tokenizer::guidelines_preamble(120, 7);
     let body = serde_json::json!({
         "model": "m",
         "messages": [

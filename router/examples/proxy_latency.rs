@@ -16,10 +16,10 @@ use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
 use axum::serve::ListenerExt;
+use kvsight_harness::messages;
 use kvsight_protocol::messages::*;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{State, app};
-use kvsight_testbed::messages;
 use tokio_util::sync::CancellationToken;
 
 /// Tokens per answer and the time between two tokens (≈ 50 tokens/s, a mid-size model's decode).

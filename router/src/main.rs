@@ -13,9 +13,9 @@ use tokio_util::sync::CancellationToken;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{Listeners, RunConfig, RunError};
 use kvsight_transport::TlsFiles;
+use kvsight_transport::exit::{config_error, run_to_exit};
 
-/// sysexits' EX_CONFIG-adjacent EX_USAGE: the configuration is wrong, restarting will not help.
-const EXIT_CONFIG: u8 = 64;
+const PROGRAM: &str = "kvsight-router";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -90,33 +90,15 @@ fn main() -> ExitCode {
         .init();
     let cfg = match prepare(&args) {
         Ok(c) => c,
-        Err(msg) => {
-            eprintln!("kvsight-router: configuration error: {msg}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
+        Err(msg) => return config_error(PROGRAM, format_args!("configuration error: {msg}")),
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("kvsight-router: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match rt.block_on(serve(&args, cfg)) {
-        Ok(()) => ExitCode::SUCCESS,
+    run_to_exit(
+        PROGRAM,
+        tokio::runtime::Builder::new_multi_thread(),
+        serve(&args, cfg),
         // A configured tokenizer folder that cannot be read is a configuration error too.
-        Err(e) if matches!(e.downcast_ref(), Some(RunError::Tokenizer { .. })) => {
-            eprintln!("kvsight-router: configuration error: {e:#}");
-            ExitCode::from(EXIT_CONFIG)
-        }
-        Err(e) => {
-            eprintln!("kvsight-router: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+        |e: &anyhow::Error| matches!(e.downcast_ref(), Some(RunError::Tokenizer { .. })),
+    )
 }
 
 /// `--check-config`: the same load and validation as at start and on every hot reload.
@@ -127,10 +109,7 @@ fn check_config(args: &Args) -> ExitCode {
             println!("{}: OK", path.display());
             ExitCode::SUCCESS
         }
-        Err(e) => {
-            eprintln!("kvsight-router: configuration error: {e}");
-            ExitCode::from(EXIT_CONFIG)
-        }
+        Err(e) => config_error(PROGRAM, format_args!("configuration error: {e}")),
     }
 }
 

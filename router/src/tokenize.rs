@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-use kvsight_protocol::tokenizer::{ChatRequest, Dialect, ModelTokenizer, TokenizerError};
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
+use kvsight_tokenizer::{ChatRequest, Dialect, ModelTokenizer, TokenizerError};
 
 /// Characters per pseudo-token in approximate mode: about one real token of English text.
 pub const APPROX_CHARS_PER_TOKEN: usize = 4;

@@ -211,15 +211,14 @@ async fn tokenize_without_tokenizer_or_pod_is_an_openai_error() {
 
 #[tokio::test]
 async fn tokenize_answers_locally_with_the_models_tokenizer() {
-    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("skipped: tokenize_answers_locally_with_the_models_tokenizer: {e}");
-            return;
-        }
+    let Some(dir) = kvsight_harness::or_skip(
+        "tokenize_answers_locally_with_the_models_tokenizer",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    ) else {
+        return;
     };
     let files = kvsight_transport::tokenizer_dir::read(&dir).unwrap();
-    let direct = kvsight_protocol::tokenizer::ModelTokenizer::from_bytes(
+    let direct = kvsight_tokenizer::ModelTokenizer::from_bytes(
         &files.tokenizer_json,
         files.tokenizer_config.as_deref(),
     )
@@ -261,10 +260,7 @@ async fn tokenize_answers_locally_with_the_models_tokenizer() {
     let v: Value = serde_json::from_slice(&b).unwrap();
     let want = direct
         .encode_chat(
-            &[kvsight_protocol::tokenizer::ChatMessage::new(
-                "user",
-                "Hello there",
-            )],
+            &[kvsight_tokenizer::ChatMessage::new("user", "Hello there")],
             true,
             &Default::default(),
         )

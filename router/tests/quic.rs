@@ -446,12 +446,11 @@ async fn shutdown_lets_an_in_flight_stream_finish_and_refuses_new_requests() {
 
 #[tokio::test]
 async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
-    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("skipped: the_router_fetches_a_missing_tokenizer_from_the_sidecar: {e}");
-            return;
-        }
+    let Some(dir) = kvsight_harness::or_skip(
+        "the_router_fetches_a_missing_tokenizer_from_the_sidecar",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    ) else {
+        return;
     };
     let files = kvsight_transport::tokenizer_dir::read(&dir).unwrap();
     let ca = DevCa::new("kvsight-test-ca").unwrap();

@@ -1,4 +1,4 @@
-//! End to end with the vLLM simulator (`kvsight_testbed::sim::server::SimPod`) over real loopback
+//! End to end with the vLLM simulator (`kvsight_sim::server::SimPod`) over real loopback
 //! sockets. The pod is registered by hand (the sidecar runtime is not in this branch yet): the
 //! router's `/tokenize` ids equal the simulator's, and a streamed completion passes through whole.
 
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvsight_router::config::RouterConfig;
 use kvsight_router::tokenize::model_tokenizer;
-use kvsight_testbed::sim::server::{SimConfig, SimPod, TokenizerFiles};
+use kvsight_sim::server::{SimConfig, SimPod, TokenizerFiles};
 use kvsight_transport::tokenizer_dir::read as read_dir;
 use serde_json::{Value, json};
 
@@ -16,7 +16,7 @@ use common::*;
 
 async fn post(url: &str, body: &Value) -> (u16, String) {
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
-    let a = kvsight_testbed::cluster::post_json(&http, url, body)
+    let a = kvsight_harness::http::post_json(&http, url, body)
         .await
         .unwrap();
     (a.status, a.text)
@@ -24,12 +24,11 @@ async fn post(url: &str, body: &Value) -> (u16, String) {
 
 #[tokio::test]
 async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
-    let dir = match kvsight_testbed::own_tokenizer::ensure_dir() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("skipped: router_tokenize_ids_equal_the_simulators: {e}");
-            return;
-        }
+    let Some(dir) = kvsight_harness::or_skip(
+        "router_tokenize_ids_equal_the_simulators",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    ) else {
+        return;
     };
     let files = read_dir(&dir).unwrap();
     let sim = SimPod::start(SimConfig {

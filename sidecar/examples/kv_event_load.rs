@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use kvsight_sidecar::kv_events::subscriber::{KvSubscriber, SubscriberConfig, lock};
 use kvsight_sidecar::metrics::Metrics;
 use kvsight_sidecar::mirror::Mirror;
-use kvsight_testbed::sim::kv_events::{
+use kvsight_sim::kv_events::{
     BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, KvEventPublisher, PublisherConfig,
 };
 use tokio_util::sync::CancellationToken;

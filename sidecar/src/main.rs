@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use clap::Parser;
 use kvsight_sidecar::config::Args;
 use kvsight_sidecar::{Listeners, run};
+use kvsight_transport::exit::{config_error, run_to_exit};
 use tokio_util::sync::CancellationToken;
 
-/// BSD `EX_USAGE`: the configuration is wrong.
-const EXIT_CONFIG: u8 = 64;
+const PROGRAM: &str = "kvsight-sidecar";
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -22,29 +22,11 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let config = match args.validate(|k| std::env::var(k).ok()) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("kvsight-sidecar: {e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
+        Err(e) => return config_error(PROGRAM, e),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("kvsight-sidecar: tokio runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(serve(config)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvsight-sidecar: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.worker_threads(2);
+    run_to_exit(PROGRAM, runtime, serve(config), |_| false)
 }
 
 async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {

@@ -3,14 +3,14 @@
 use kvsight_sidecar::kv_events::decode::{DecodeError, Event, VllmHash, decode_batch};
 use rmpv::Value;
 
-const GOLDEN: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/vllm/kv-events-golden.md"
-);
+/// vLLM's encoder output, under `../shared`.
+const GOLDEN: &str = "fixtures/vllm/kv-events-golden.md";
 
-/// `(section, name, payload)` for every golden line.
-fn golden() -> Option<Vec<(String, String, Vec<u8>)>> {
-    let text = std::fs::read_to_string(GOLDEN).ok()?;
+/// `(section, name, payload)` for every golden line, or `None` after skipping `test` when the
+/// fixture is absent.
+fn golden(test: &str) -> Option<Vec<(String, String, Vec<u8>)>> {
+    let path = kvsight_harness::fixture_or_skip(test, GOLDEN)?;
+    let text = std::fs::read_to_string(path).expect("read the golden fixture");
     let mut section = String::new();
     let mut out = Vec::new();
     for line in text.lines() {
@@ -31,10 +31,7 @@ fn golden() -> Option<Vec<(String, String, Vec<u8>)>> {
 
 #[test]
 fn golden_payloads_from_vllms_encoder_decode_in_both_layouts() {
-    let Some(cases) = golden() else {
-        eprintln!(
-            "skipped: golden_payloads_from_vllms_encoder_decode_in_both_layouts: fixture {GOLDEN} absent"
-        );
+    let Some(cases) = golden("golden_payloads_from_vllms_encoder_decode_in_both_layouts") else {
         return;
     };
     assert_eq!(cases.len(), 8, "4 payloads per layout");

@@ -8,10 +8,10 @@
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvsight_harness::TempDir;
 use kvsight_protocol::bloom::BloomFilter;
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
@@ -19,9 +19,9 @@ use kvsight_sidecar::config::{Args, Config};
 use kvsight_sidecar::kv_events::subscriber::{SubscriberStatus, lock};
 use kvsight_sidecar::state::Shared;
 use kvsight_sidecar::{Listeners, run_with};
-use kvsight_testbed::sim::engine::EngineConfig;
-use kvsight_testbed::sim::kv_events::{Layout, ReplayLayout};
-use kvsight_testbed::sim::server::{SimConfig, SimPod, SimPodHandle};
+use kvsight_sim::engine::EngineConfig;
+use kvsight_sim::kv_events::{Layout, ReplayLayout};
+use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle};
 use kvsight_transport::dev_certs::{DevCa, SecretDir};
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, server};
 use tokio::task::JoinHandle;
@@ -158,23 +158,6 @@ struct Pod {
     _dir: TempDir,
 }
 
-/// A per-test directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("kvsight-e2e-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 impl Drop for Pod {
     fn drop(&mut self) {
         self.stop.cancel();
@@ -187,7 +170,7 @@ async fn start_pod(name: &str, sim: SimPodHandle, with_router: bool, warmup: Opt
         .with_test_writer()
         .with_env_filter("info,quinn=warn,quinn_proto=warn,rustls=warn")
         .try_init();
-    let dir = TempDir::new(name);
+    let dir = TempDir::new(&format!("e2e-{name}")).unwrap();
     let mut args: Vec<String> = [
         "kvsight-sidecar",
         "--pod-name",
@@ -209,7 +192,7 @@ async fn start_pod(name: &str, sim: SimPodHandle, with_router: bool, warmup: Opt
     match warmup {
         None => args.extend(["--warmup".to_owned(), "none".to_owned()]),
         Some(plan) => {
-            let path = dir.0.join("plan.json");
+            let path = dir.path().join("plan.json");
             std::fs::write(&path, plan).unwrap();
             args.extend(["--warmup".to_owned(), path.display().to_string()]);
         }

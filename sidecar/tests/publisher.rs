@@ -7,6 +7,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvsight_harness::messages;
 use kvsight_protocol::bloom::BloomFilter;
 use kvsight_protocol::messages::*;
 use kvsight_protocol::tokenizer_transfer::{TokenizerAssembler, TokenizerFiles};
@@ -16,7 +17,6 @@ use kvsight_sidecar::kv_events::subscriber::{SharedMirror, lock};
 use kvsight_sidecar::mirror::Mirror;
 use kvsight_sidecar::publisher::Publisher;
 use kvsight_sidecar::state::{LoadSample, Shared};
-use kvsight_testbed::messages;
 use kvsight_transport::dev_certs::DevCa;
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, server};
 use rustls_pki_types::CertificateDer;

@@ -19,7 +19,7 @@ use kvsight_protocol::messages::Phase;
 use kvsight_sidecar::config::{Args, Config};
 use kvsight_sidecar::state::Shared;
 use kvsight_sidecar::{Listeners, run_with};
-use kvsight_testbed::sim::kv_events::{KvEventPublisher, PublisherConfig};
+use kvsight_sim::kv_events::{KvEventPublisher, PublisherConfig};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 

@@ -2,17 +2,15 @@
 
 use kvsight_sidecar::scrape::{ScrapeError, parse, samples};
 
-const FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/vllm/metrics-0.33.txt"
-);
+/// vLLM 0.33's `/metrics`, under `../shared`.
+const FIXTURE: &str = "fixtures/vllm/metrics-0.33.txt";
 
 #[test]
 fn reads_vllm_0_33_exposition() {
-    let Ok(text) = std::fs::read_to_string(FIXTURE) else {
-        eprintln!("skipped: reads_vllm_0_33_exposition: fixture {FIXTURE} absent");
+    let Some(path) = kvsight_harness::fixture_or_skip("reads_vllm_0_33_exposition", FIXTURE) else {
         return;
     };
+    let text = std::fs::read_to_string(path).expect("read the fixture");
     let m = parse(&text).unwrap();
     assert_eq!((m.running, m.waiting), (3.0, 1.0));
     assert_eq!(m.kv_usage, 0.0421);

@@ -13,7 +13,7 @@ use kvsight_sidecar::kv_events::subscriber::{
 };
 use kvsight_sidecar::metrics::Metrics;
 use kvsight_sidecar::mirror::Mirror;
-use kvsight_testbed::sim::kv_events::{
+use kvsight_sim::kv_events::{
     BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, KvEventPublisher, PublisherConfig,
     ReplayLayout,
 };
@@ -333,7 +333,7 @@ impl Workload {
 #[tokio::test]
 async fn malformed_messages_are_counted_and_skipped() {
     use bytes::Bytes;
-    use kvsight_testbed::sim::kv_events::{Layout, encode_batch};
+    use kvsight_sim::kv_events::{Layout, encode_batch};
     use zeromq::{Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
 
     let mut xpub = XPubSocket::new();

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError, PodSpec, WAIT, Warmup};
-use crate::sim::engine::EngineConfig;
+use kvsight_sim::engine::EngineConfig;
 
 /// The served model name.
 pub const MODEL: &str = "kvsight-demo";

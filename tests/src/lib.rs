@@ -1,10 +1,6 @@
-//! kvsight-testbed: a faithful vLLM stand-in (`vllm-sim`), a loopback cluster harness and the
-//! end-to-end tests. Nothing here ships; it is how everything kvsight claims is proven without a
-//! GPU.
+//! kvsight-testbed: kvsight end to end. A loopback cluster harness (`vllm-sim` pods from
+//! `kvsight-sim`, real sidecars and routers, mutual TLS), the demo and the scenario tests. It is
+//! the only crate that depends on both the router and the sidecar; nothing here ships.
 
 pub mod cluster;
 pub mod demo;
-pub mod llama2_tokenizer;
-pub mod messages;
-pub mod own_tokenizer;
-pub mod sim;

@@ -9,8 +9,12 @@ use serde_json::Value;
 
 #[test]
 fn demo_json_passes_all_three_experiments_on_two_pods() {
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
-        eprintln!("skipped: demo_json_passes_all_three_experiments_on_two_pods: {e}");
+    if kvsight_harness::or_skip(
+        "demo_json_passes_all_three_experiments_on_two_pods",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    )
+    .is_none()
+    {
         return;
     }
     let out = Command::new(env!("CARGO_BIN_EXE_kvsight-demo"))
@@ -73,8 +77,12 @@ fn demo_serve_leaves_a_working_cluster_up_until_interrupted() {
     use std::io::{BufRead, BufReader, Read, Write};
     use std::time::{Duration, Instant};
 
-    if let Err(e) = kvsight_testbed::own_tokenizer::ensure_dir() {
-        eprintln!("skipped: demo_serve_leaves_a_working_cluster_up_until_interrupted: {e}");
+    if kvsight_harness::or_skip(
+        "demo_serve_leaves_a_working_cluster_up_until_interrupted",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    )
+    .is_none()
+    {
         return;
     }
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvsight-demo"))

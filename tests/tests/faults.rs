@@ -18,12 +18,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::messages::Phase;
+use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{
     Cluster, ClusterConfig, PodSpec, Routed, WAIT, Warmup, decision_of, eventually,
     own_tokenizer_or_skip, post_json, send_json,
 };
 use kvsight_testbed::demo::{preamble, unique_prompt};
-use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
 
 const MODEL: &str = "fault-model";

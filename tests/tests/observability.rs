@@ -10,8 +10,8 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{Cluster, ClusterConfig, PodSpec, WAIT, eventually};
-use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
 
 const MODEL: &str = "obs-model";

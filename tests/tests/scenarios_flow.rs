@@ -20,11 +20,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{
     BlindMode, BlindRouter, Cluster, ClusterConfig, L4Balancer, PodCounters, PodSpec, Routed, WAIT,
     decision_of, eventually, own_tokenizer_or_skip, post_json, send_json,
 };
-use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
 
 const MODEL: &str = "scenario-model";

@@ -22,12 +22,12 @@
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::messages::Phase;
+use kvsight_sim::engine::{EngineConfig, EngineConfigBuilder};
+use kvsight_sim::server::{SimConfig, SimPod};
 use kvsight_testbed::cluster::{
     BlindMode, BlindRouter, Cluster, ClusterConfig, PodCounters, PodSpec, Routed, WAIT, Warmup,
     eventually, own_tokenizer_or_skip,
 };
-use kvsight_testbed::sim::engine::{EngineConfig, EngineConfigBuilder};
-use kvsight_testbed::sim::server::{SimConfig, SimPod};
 use serde_json::json;
 
 const MODEL: &str = "scenario-model";

@@ -14,12 +14,12 @@
 
 use std::time::Duration;
 
+use kvsight_sim::engine::EngineConfig;
+use kvsight_sim::own_tokenizer::{SeededRng, guidelines_preamble, question};
 use kvsight_testbed::cluster::{
     BlindMode, BlindRouter, Cluster, ClusterConfig, PodCounters, PodSpec, WAIT,
     own_tokenizer_or_skip,
 };
-use kvsight_testbed::own_tokenizer::{SeededRng, guidelines_preamble, question};
-use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
 
 const MODEL: &str = "scenario-model";

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
+use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{
     Cluster, ClusterConfig, PodSpec, WAIT, eventually, own_tokenizer_or_skip,
 };
-use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::json;
 
 const MODEL: &str = "kvsight-demo";

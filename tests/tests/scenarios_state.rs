@@ -15,11 +15,11 @@
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
+use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{
     Cluster, ClusterConfig, PodSpec, Routed, WAIT, eventually, own_tokenizer_or_skip,
 };
 use kvsight_testbed::demo::{preamble, unique_prompt};
-use kvsight_testbed::sim::engine::EngineConfig;
 use serde_json::{Value, json};
 
 const MODEL: &str = "kvsight-demo";

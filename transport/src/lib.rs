@@ -7,6 +7,7 @@
 //! from the configured CA; nothing else can register an address to receive user traffic.
 
 mod endpoint;
+pub mod exit;
 pub mod files;
 pub mod signal;
 mod stream;

@@ -12,7 +12,7 @@
 
 use std::sync::OnceLock;
 
-use kvsight_protocol::tokenizer::{ChatMessage, ChatRequest, MessageContent, ModelTokenizer};
+use kvsight_tokenizer::{ChatMessage, ChatRequest, MessageContent, ModelTokenizer};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use tokenizers::models::TrainerWrapper;

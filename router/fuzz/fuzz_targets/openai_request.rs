@@ -11,11 +11,11 @@
 
 use std::sync::{Arc, OnceLock};
 
-use kvsight_protocol::tokenizer::ModelTokenizer;
 use kvsight_router::proxy::{json_deeper_than, parse_body};
 use kvsight_router::tokenize::{
     APPROX_CHARS_PER_TOKEN, Tokenizers, approximate_tokens, prompt_text, prompt_tokens,
 };
+use kvsight_tokenizer::ModelTokenizer;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 

@@ -8,11 +8,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvsight_harness::messages;
 use kvsight_protocol::messages::*;
 use kvsight_router::State;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::pods::ConnId;
-use kvsight_testbed::messages;
 use tokio_util::sync::CancellationToken;
 
 pub const MODEL: &str = messages::MODEL;

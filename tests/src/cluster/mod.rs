@@ -14,10 +14,11 @@ mod baseline;
 mod metrics;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvsight_harness::TempDir;
 use kvsight_protocol::messages::Phase;
 use kvsight_router::config::RouterConfig;
 use kvsight_sidecar::config::Args as SidecarArgs;
@@ -27,11 +28,12 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::sim::engine::EngineConfig;
-use crate::sim::kv_events::PublisherConfig;
-use crate::sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles};
+use kvsight_sim::engine::EngineConfig;
+use kvsight_sim::kv_events::PublisherConfig;
+use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles};
 
 pub use baseline::{BlindMode, BlindRouter, L4Balancer};
+pub use kvsight_harness::http::{Routed, decision_of, post_json, send_json};
 pub use metrics::{PodCounters, parse_counters};
 
 /// How long [`eventually`] and the cluster's waits give a condition by default.
@@ -49,7 +51,7 @@ pub enum ClusterError {
     #[error("certificates: {0}")]
     Certs(#[from] kvsight_transport::TransportError),
     #[error("tokenizer: {0}")]
-    Tokenizer(#[from] crate::own_tokenizer::OwnTokenizerError),
+    Tokenizer(#[from] kvsight_sim::own_tokenizer::OwnTokenizerError),
     #[error("pod {pod}: {message}")]
     Pod { pod: String, message: String },
     #[error("router {index}: {message}")]
@@ -66,19 +68,14 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
 }
 
 /// The project's own tokenizer directory that every [`PodSpec`] serves, built on first use; or,
-/// when it cannot be built or loaded, `None` after printing `skipped: <test>: <why>`.
+/// when it cannot be built or loaded, `None` after [`kvsight_harness::skip`] (which fails the
+/// test under `CI=true`).
 ///
 /// Scenario tests begin with it so a machine where the tokenizer cannot be trained (an
 /// unwritable target directory, say) reports a visible skip instead of failing inside a
 /// half-started cluster.
 pub fn own_tokenizer_or_skip(test: &str) -> Option<PathBuf> {
-    match crate::own_tokenizer::ensure_dir() {
-        Ok(dir) => Some(dir),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
-    }
+    kvsight_harness::or_skip(test, kvsight_sim::own_tokenizer::ensure_dir())
 }
 
 /// Polls `cond` every 10 ms until it holds or `within` passes; for state that has no change
@@ -137,6 +134,18 @@ async fn rebind<T>(
     }
 }
 
+/// [`rebind`] for a TCP listener, handed over to tokio.
+async fn rebind_tcp(what: &str, addr: SocketAddr) -> Result<tokio::net::TcpListener, ClusterError> {
+    let listener = rebind(&format!("{what} {addr}"), || {
+        std::net::TcpListener::bind(addr)
+    })
+    .await?;
+    listener
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::TcpListener::from_std(listener))
+        .map_err(io(format!("{what} listener")))
+}
+
 /// One pod to run: the simulator's configuration and what its sidecar is told.
 #[derive(Debug, Clone)]
 pub struct PodSpec {
@@ -171,7 +180,7 @@ impl PodSpec {
                 enable_prompt_tokens_details: true,
                 ..SimConfig::default()
             },
-            tokenizer_dir: Some(crate::own_tokenizer::ensure_dir()?),
+            tokenizer_dir: Some(kvsight_sim::own_tokenizer::ensure_dir()?),
             labels: Vec::new(),
             warmup: Warmup::Skip,
             sidecar_args: Vec::new(),
@@ -356,7 +365,7 @@ impl Cluster {
     /// Starts the routers first (so sidecars find them at once), then each pod and its sidecar.
     /// Returns without waiting for Ready; see [`Cluster::wait_routable`].
     pub async fn start(config: ClusterConfig) -> Result<Cluster, ClusterError> {
-        let dir = TempDir::new("cluster")?;
+        let dir = TempDir::new("cluster").map_err(io("creating the cluster's folder"))?;
         let ca = DevCa::new("kvsight-cluster-ca")?;
         std::fs::write(dir.path().join("ca.pem"), ca.ca_pem()).map_err(io("writing ca.pem"))?;
         let config_path = dir.path().join("router.yaml");
@@ -473,15 +482,7 @@ impl Cluster {
                 after: within,
             });
         }
-        let http = rebind(&format!("router HTTP {http_addr}"), || {
-            std::net::TcpListener::bind(http_addr)
-        })
-        .await
-        .and_then(|l| {
-            l.set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpListener::from_std(l))
-                .map_err(io("router HTTP listener"))
-        })?;
+        let http = rebind_tcp("router HTTP", http_addr).await?;
         let quic = rebind(&format!("router QUIC {quic_addr}"), || {
             std::net::UdpSocket::bind(quic_addr)
         })
@@ -703,7 +704,7 @@ impl Cluster {
         let sim = loop {
             match SimPod::start(config.clone()).await {
                 Ok(sim) => break sim,
-                Err(crate::sim::server::StartError::Bind { .. }) if Instant::now() < deadline => {
+                Err(kvsight_sim::server::StartError::Bind { .. }) if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 Err(e) => {
@@ -731,15 +732,7 @@ impl Cluster {
         i: usize,
         addr: SocketAddr,
     ) -> Result<(), ClusterError> {
-        let listener = rebind(&format!("sidecar {addr}"), || {
-            std::net::TcpListener::bind(addr)
-        })
-        .await
-        .and_then(|l| {
-            l.set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpListener::from_std(l))
-                .map_err(io("sidecar listener"))
-        })?;
+        let listener = rebind_tcp("sidecar", addr).await?;
         let sidecar = self.start_sidecar(&self.pods[i], listener)?;
         self.pods[i].sidecar = Some(sidecar);
         Ok(())
@@ -856,6 +849,7 @@ impl Cluster {
             body,
         )
         .await
+        .map_err(ClusterError::from)
     }
 
     /// POSTs `body` to `path` on router `r` and returns the key and index of the pod that
@@ -909,152 +903,5 @@ impl Drop for Cluster {
             r.stop.cancel();
             r.task.abort();
         }
-    }
-}
-
-/// A request's outcome.
-#[derive(Debug, Clone)]
-pub struct Routed {
-    pub status: u16,
-    /// The pod the router chose (its key), when a router answered with a decision.
-    pub pod: Option<String>,
-    /// The whole `x-kvsight-decision` value.
-    pub decision: Option<Value>,
-    /// Time to the first body byte (for a stream: the first token's event).
-    pub ttfb: Duration,
-    /// Time to the last byte.
-    pub total: Duration,
-    pub text: String,
-}
-
-/// POSTs JSON to `url` asking for the router's decision header; the body is left to read.
-pub async fn send_json(
-    http: &reqwest::Client,
-    url: &str,
-    body: &Value,
-) -> reqwest::Result<reqwest::Response> {
-    http.post(url)
-        .header("content-type", "application/json")
-        .header("x-kvsight-debug", "1")
-        .body(body.to_string())
-        .send()
-        .await
-}
-
-/// The router's `x-kvsight-decision` header, parsed.
-pub fn decision_of(resp: &reqwest::Response) -> Option<Value> {
-    resp.headers()
-        .get("x-kvsight-decision")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| serde_json::from_str(v).ok())
-}
-
-/// POSTs JSON to `url` asking for the router's decision header, timing the first body byte.
-pub async fn post_json(
-    http: &reqwest::Client,
-    url: &str,
-    body: &Value,
-) -> Result<Routed, ClusterError> {
-    let started = Instant::now();
-    let mut resp = send_json(http, url, body).await?;
-    let status = resp.status().as_u16();
-    let decision = decision_of(&resp);
-    let mut bytes = Vec::new();
-    let mut ttfb = None;
-    while let Some(chunk) = resp.chunk().await? {
-        ttfb.get_or_insert_with(|| started.elapsed());
-        bytes.extend_from_slice(&chunk);
-    }
-    let total = started.elapsed();
-    Ok(Routed {
-        status,
-        pod: decision
-            .as_ref()
-            .and_then(|d| d["pod"].as_str())
-            .map(str::to_owned),
-        decision,
-        ttfb: ttfb.unwrap_or(total),
-        total,
-        text: String::from_utf8_lossy(&bytes).into_owned(),
-    })
-}
-
-/// A folder under the system temp dir, removed on drop. A killed test process never drops it,
-/// so creating one first removes the folders of processes that no longer run.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(prefix: &str) -> Result<TempDir, ClusterError> {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        sweep_stale(&std::env::temp_dir(), prefix);
-        let dir = std::env::temp_dir().join(format!(
-            "kvsight-{prefix}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
-        Ok(TempDir(dir))
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Removes `kvsight-{prefix}-{pid}-{n}` folders in `tmp` whose process is gone. Only where
-/// `/proc` says which processes run; a reused pid keeps its folder until that process ends too.
-fn sweep_stale(tmp: &Path, prefix: &str) {
-    let proc_fs = Path::new("/proc/self");
-    if !proc_fs.exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(tmp) else {
-        return;
-    };
-    let lead = format!("kvsight-{prefix}-");
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&lead))
-            .and_then(|rest| rest.split_once('-'))
-            .and_then(|(pid, n)| n.parse::<u64>().is_ok().then_some(pid))
-            .and_then(|pid| pid.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new("/proc").join(pid.to_string()).exists() {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn folders_of_dead_processes_are_swept_and_live_ones_kept() {
-        let tmp = std::env::temp_dir().join(format!("kvsight-sweep-test-{}", std::process::id()));
-        std::fs::create_dir_all(&tmp).unwrap();
-        // No process has pid 4_000_000_000 (Linux pids stop at 2^22).
-        let dead = tmp.join("kvsight-cluster-4000000000-0");
-        let live = tmp.join(format!("kvsight-cluster-{}-7", std::process::id()));
-        let other = tmp.join("kvsight-cluster-notes");
-        for d in [&dead, &live, &other] {
-            std::fs::create_dir_all(d.join("sub")).unwrap();
-        }
-        sweep_stale(&tmp, "cluster");
-        let linux = Path::new("/proc/self").exists();
-        assert_eq!(dead.exists(), !linux);
-        assert!(live.exists() && other.exists());
-        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
