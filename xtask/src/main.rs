@@ -148,10 +148,10 @@ fn ci(root: &Path) -> Result<()> {
     let tally = run_tests(
         Command::new(cargo())
             .args(["test", "--workspace", "--locked", "--", "--show-output"])
-            .env("KVSIGHT_PYTHON", &python)
-            // A test that skips itself fails under CI=true (kvsight_harness::skip): CI has the
-            // ../shared fixtures and the Python above, so a skip means a check stopped checking.
-            .env("CI", "true"),
+            // `CI` is passed through as it is: under CI=true (`.ci/run` sets it) a test that
+            // skips itself fails (kvsight_harness::skip); on a developer's clone without
+            // ../shared the same tests say "skipped" and pass.
+            .env("KVSIGHT_PYTHON", &python),
     )?;
     chart::chart_check(root, &python, chart::RouterBinary::FromTests)?;
     // The images cannot be built here (no Docker engine); the Dockerfile is at least linted.
