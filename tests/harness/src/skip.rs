@@ -8,7 +8,7 @@
 use std::fmt::Display;
 
 /// Whether skipping is refused: `CI` is set to anything but `false`/`0`/empty (CI systems set
-/// `CI=true`; `cargo xtask ci` sets it for its test step).
+/// `CI=true`; `.ci/run` exports it).
 fn in_ci() -> bool {
     refuses_skips(std::env::var("CI").ok().as_deref())
 }
