@@ -65,10 +65,10 @@ const KV_BLOCKS: u32 = 6_000;
 /// Resident memory may grow by less than this share between [`MEMORY_FROM`] of the run and
 /// its end.
 const RSS_GROWTH_LIMIT: f64 = 0.10;
-/// Where the memory baseline is taken, as a share of the run. The first minutes fill what is
-/// bounded but starts empty — connection buffers grown to the largest stream seen, the
-/// tokenizer's word cache, each pod's pending chains, the allocator's free lists — and that
-/// growth levels off. Measured over 30 minutes (README): the routers grew 24 % from the
+/// Where the memory baseline is taken, as a share of the run. The growth of the first minutes
+/// levels off (what fills was not profiled; likely what is bounded but starts empty:
+/// connection buffers grown to the largest stream seen, pending chains, the allocator's free
+/// lists). Measured over 30 minutes (README): the routers grew 24 % from the
 /// warm-up to the end, but 0.8 and 1.6 % over the last twenty minutes; the sidecars -2.6 to
 /// +7.4 % (their ±1 MiB swings). A leak grows on.
 const MEMORY_FROM: f64 = 1.0 / 3.0;
