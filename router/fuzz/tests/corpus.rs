@@ -1,0 +1,11 @@
+//! Every committed corpus input of this crate's fuzz targets, replayed; none may panic.
+
+use std::path::Path;
+
+#[test]
+fn committed_corpora_replay_without_a_failure() {
+    kvsight_harness::fuzz::replay_corpora(
+        Path::new(env!("CARGO_MANIFEST_DIR")),
+        &[("openai_request", kvsight_router_fuzz::openai_request::run)],
+    );
+}
