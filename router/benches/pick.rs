@@ -85,7 +85,7 @@ fn report_all(reg: &mut Registry, conns: &[(String, ConnId)]) {
     let now = Instant::now();
     for (i, (key, conn)) in conns.iter().enumerate() {
         while reg.get(key).is_some_and(|p| p.inflight > 0) {
-            reg.record_done(key);
+            reg.record_done(key, now, now);
         }
         reg.apply_load(key, *conn, load(i), now).unwrap();
     }

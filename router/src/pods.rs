@@ -65,9 +65,9 @@ pub struct Pod {
     pub filter: Option<BloomFilter>,
     /// This router's requests currently in flight on the pod.
     pub inflight: u32,
-    /// Of those, how many the last report counted (in flight when it was applied and sent before
-    /// its admission cutoff).
-    included: u32,
+    /// This router's requests here that finished after the last report's sample: when each was
+    /// sent and when it finished. The report may still count them (see [`Pod::projection`]).
+    finished: VecDeque<(Instant, Instant)>,
     pub last_picked: Option<Instant>,
     sent: VecDeque<Sent>,
     /// Chains of prompts routed here, until their TTL, indexed by their first block: a burst
@@ -190,8 +190,11 @@ impl Pod {
         };
         // Of those, only requests still in flight are running (and holding blocks) now: short
         // requests that already finished must not make an idle pod look busy until the next
-        // report. Which ones finished is not tracked, so the blocks are scaled alike.
-        let n = sent.min(self.inflight);
+        // report. Which of them finished is known by send time; their blocks are scaled alike.
+        let finished_newer = self.finished.iter().filter(|(at, _)| *at > counted).count();
+        let n = sent
+            .saturating_sub(u32::try_from(finished_newer).unwrap_or(u32::MAX))
+            .min(self.inflight);
         let (blocks, uncached) = if sent == 0 {
             (0, 0)
         } else {
@@ -200,11 +203,17 @@ impl Pod {
                 sent_uncached * u64::from(n) / u64::from(sent),
             )
         };
-        // This router's requests the report counted that have finished since: the report still
-        // shows them running until the next one (up to an interval later). Of the requests in
-        // flight now, `n` are newer than the report; the rest are the report's, so whatever it
-        // counted beyond those has finished.
-        let finished = self.included.saturating_sub(self.inflight - n);
+        // This router's requests sent before the sample that have finished since: the report
+        // counted them (unless one was still in transit when it was taken, an error of one
+        // request for one interval, in the direction that cannot overfill a pod) and shows them
+        // running until the next report, up to an interval later. A sequence of short requests
+        // would otherwise find the pod that served the last one busy and pile onto its sibling.
+        let finished = self
+            .finished
+            .iter()
+            .filter(|(at, _)| *at <= sample.sampled_at)
+            .count();
+        let finished = u32::try_from(finished).unwrap_or(u32::MAX);
         let slots = self.hello.engine.max_num_seqs.max(1);
         let l = &sample.load;
         let total = l.running.saturating_sub(finished).saturating_add(n);
@@ -341,7 +350,7 @@ impl Registry {
             load: None,
             filter: None,
             inflight: 0,
-            included: 0,
+            finished: VecDeque::new(),
             last_picked: None,
             sent: VecDeque::new(),
             pending: HashMap::new(),
@@ -389,8 +398,8 @@ impl Registry {
         while pod.sent.front().is_some_and(|s| s.at <= counted) {
             pod.sent.pop_front();
         }
-        let newer = u32::try_from(pod.sent.len()).unwrap_or(u32::MAX);
-        pod.included = pod.inflight - newer.min(pod.inflight);
+        // Requests finished before the sample are not in it; those finished since may be.
+        pod.finished.retain(|(_, done)| *done > sampled_at);
         pod.load = Some(LoadSample {
             load,
             received_at: now,
@@ -510,10 +519,15 @@ impl Registry {
         pod.pending_chains = pod.pending_chains + after - before;
     }
 
-    /// A request to `key` finished (whatever the outcome).
-    pub fn record_done(&mut self, key: &str) {
+    /// A request sent to `key` at `sent_at` finished at `now` (whatever the outcome).
+    pub fn record_done(&mut self, key: &str, sent_at: Instant, now: Instant) {
         if let Some(p) = self.pods.get_mut(key) {
             p.inflight = p.inflight.saturating_sub(1);
+            p.finished.push_back((sent_at, now));
+            // Bounded like `sent` for a pod that stopped reporting.
+            while p.finished.len() > 4096 {
+                p.finished.pop_front();
+            }
         }
     }
 

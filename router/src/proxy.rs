@@ -240,11 +240,14 @@ pub fn parse_body(bytes: &[u8]) -> Result<(Value, String), ApiError> {
 struct Done {
     state: Arc<State>,
     pod: String,
+    sent_at: Instant,
 }
 
 impl Drop for Done {
     fn drop(&mut self) {
-        self.state.registry().record_done(&self.pod);
+        self.state
+            .registry()
+            .record_done(&self.pod, self.sent_at, Instant::now());
     }
 }
 
@@ -492,6 +495,8 @@ async fn try_once<'a>(
     let done = Done {
         state: state.clone(),
         pod: decision.pod.clone(),
+        // The pick's moment, microseconds ago (the registry compares it with report samples).
+        sent_at: Instant::now(),
     };
     let added = req.started.elapsed();
     let url = format!("{}{}", decision.url.trim_end_matches('/'), req.kind.path());

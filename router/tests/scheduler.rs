@@ -85,7 +85,7 @@ impl Cluster {
         for i in 0..self.conns.len() {
             let key = self.conns[i].0.clone();
             while self.reg.get(&key).is_some_and(|p| p.inflight > 0) {
-                self.reg.record_done(&key);
+                self.reg.record_done(&key, self.now, self.now);
             }
             self.report(i, load(0, 0, 0.0));
         }
@@ -543,7 +543,7 @@ fn requests_that_finished_since_the_last_report_no_longer_count_as_load() {
     for n in 0..2 {
         c.now += Duration::from_millis(1);
         let pod = c.pick(&s, &prompt(100 + n, 64)).unwrap();
-        c.reg.record_done(&pod);
+        c.reg.record_done(&pod, c.now, c.now);
         let p = c.reg.get(&pod).unwrap().projection();
         assert_eq!(p.running, 0, "a finished request is not running: {p:?}");
         assert_eq!(p.kv_usage, 0.0, "nor holding blocks: {p:?}");
@@ -573,6 +573,42 @@ fn a_request_sent_just_before_a_sample_still_counts_until_the_engine_can_have_se
 }
 
 #[test]
+fn a_request_sent_inside_the_admission_lag_stops_counting_once_it_finished_after_the_sample() {
+    let mut c = Cluster::new(1, true);
+    let s = sched(3.0);
+    let sent = c.now;
+    let pod = c.pick(&s, &prompt(310, 64)).unwrap();
+    // The engine admitted it at once: a report sampled 20 ms later counts it running. The
+    // router cannot know that it did, so while the request is in flight it counts it on top
+    // (twice, the safe side).
+    c.now += Duration::from_millis(20);
+    c.report(0, load(1, 0, 0.0));
+    assert_eq!(c.reg.get(&pod).unwrap().projection().running, 2);
+    // It finishes 5 ms later. The report still says running 1 until the next one (an interval
+    // later), but a request sent before the sample and finished after it is one the report
+    // counted: the pod is idle now. (It read running 1 here, and a sequence of short requests
+    // went to the pod that had not served the last one.)
+    c.now += Duration::from_millis(5);
+    c.reg.record_done(&pod, sent, c.now);
+    let p = c.reg.get(&pod).unwrap().projection();
+    assert_eq!(
+        (p.running, p.waiting, p.sent_since_sample),
+        (0, 0, 0),
+        "{p:?}"
+    );
+    assert_eq!(p.kv_usage, 0.0, "{p:?}");
+    // A request that finished before the next report's sample is not in that report: nothing
+    // is subtracted from it.
+    let sent = c.now;
+    c.pick(&s, &prompt(311, 64)).unwrap();
+    c.now += Duration::from_millis(5);
+    c.reg.record_done(&pod, sent, c.now);
+    c.now += Duration::from_millis(200);
+    c.report(0, load(1, 0, 0.0));
+    assert_eq!(c.reg.get(&pod).unwrap().projection().running, 1);
+}
+
+#[test]
 fn pending_blocks_confirmed_by_the_pod_then_evicted_are_not_credited_for_the_rest_of_the_ttl() {
     let mut c = Cluster::new(2, true);
     let s = sched(3.0);
@@ -597,6 +633,7 @@ fn pending_blocks_confirmed_by_the_pod_then_evicted_are_not_credited_for_the_res
 fn a_request_the_last_report_counted_stops_counting_when_it_finishes() {
     let mut c = Cluster::new(2, true);
     let s = sched(3.0);
+    let sent = c.now;
     let pod = c.pick(&s, &prompt(400, 64)).unwrap();
     let i = if pod == "ns/pod-0" { 0 } else { 1 };
     // A report sampled well after the send counts it as running.
@@ -604,15 +641,16 @@ fn a_request_the_last_report_counted_stops_counting_when_it_finishes() {
     c.report(i, load(1, 0, 0.0));
     assert_eq!(c.reg.get(&pod).unwrap().projection().running, 1);
     // It finishes before the next report: the pod is idle now, not for another interval.
-    c.reg.record_done(&pod);
+    c.reg.record_done(&pod, sent, c.now);
     let p = c.reg.get(&pod).unwrap().projection();
     assert_eq!((p.running, p.waiting), (0, 0), "{p:?}");
     // Load the router did not send stays: the report's other running request is not ours.
+    let sent2 = c.now;
     let pod2 = c.pick(&s, &prompt(401, 64)).unwrap();
     let j = if pod2 == "ns/pod-0" { 0 } else { 1 };
     c.now += Duration::from_millis(200);
     c.report(j, load(3, 0, 0.0));
-    c.reg.record_done(&pod2);
+    c.reg.record_done(&pod2, sent2, c.now);
     assert_eq!(c.reg.get(&pod2).unwrap().projection().running, 2);
 }
 
