@@ -439,9 +439,10 @@ async fn one_router_restarting_under_load_costs_the_other_routers_clients_nothin
     cluster.restart_router(0).await.unwrap();
     // The new process listens from here.
     let listening = Instant::now();
+    // Whether it serves again is asserted after the other router's clients are judged, so a
+    // break that hurts both says what it did to each.
     let mut first_served = None;
-    while first_served.is_none() {
-        assert!(listening.elapsed() < WAIT, "router 0 never served again");
+    while first_served.is_none() && listening.elapsed() < WAIT {
         let body = json!({"model": MODEL, "prompt": ids(7, 40), "max_tokens": 4, "stream": true});
         if let Ok(r) = post_json(&cluster.http, &urls[0], &body).await
             && r.status == 200
@@ -452,7 +453,7 @@ async fn one_router_restarting_under_load_costs_the_other_routers_clients_nothin
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    let served_after = first_served.unwrap();
+    let served_after = first_served.unwrap_or(WAIT);
     // As long again after it, then the clients stop.
     let settle = listening + (listening - t0).max(Duration::from_secs(1));
     tokio::time::sleep_until(settle.into()).await;
@@ -493,6 +494,7 @@ async fn one_router_restarting_under_load_costs_the_other_routers_clients_nothin
         failed.is_empty(),
         "the other router's clients saw: {failed:?}"
     );
+    assert!(first_served.is_some(), "router 0 never served again");
     assert!(
         served_after < Duration::from_secs(2),
         "served again {served_after:?} after listening"
