@@ -135,9 +135,9 @@ fn ci(root: &Path) -> Result<()> {
         move || python_env(&root)
     });
     // One build is both clippy and the test build: `cargo clippy` is this same wrapper around
-    // rustc for the workspace's own crates, and clippy-driver compiles as well as lints. Built
-    // apart, clippy's metadata-only pass cost a CI run three minutes for nothing the test build
-    // did not repeat. `--all-targets` is clippy's coverage: libraries, binaries, tests, the
+    // rustc for the workspace's own crates, and clippy-driver compiles as well as lints. Run
+    // apart, clippy's own pass over the workspace cost a CI run three minutes that the test
+    // build then spent again. `--all-targets` is clippy's coverage: libraries, binaries, tests, the
     // criterion benches (compiled in the test profile, sharing every artifact; `cargo xtask
     // criterion` runs them) and the fuzz crates (whose corpus replay is one of the tests).
     let lint = ClippyBuild::find()?;
