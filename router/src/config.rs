@@ -89,9 +89,12 @@ pub struct Weights {
     /// LMetric's product of the prompt tokens the pod must compute and its batch size (running +
     /// waiting): lower scores higher. Off by default.
     pub lmetric: f64,
-    /// The pod this router last sent the prompt's prefix to (within `affinityTtlSeconds`)
-    /// scores higher: where a prefix evicted everywhere returns. Default 0 (off; see
-    /// router/README.md for what it was measured to do). A companion of
+    /// The prompt's home (the pod this router first sent its prefix to, kept while it keeps
+    /// going there within `affinityTtlSeconds`; `crate::homes`) scores higher, and a busy home
+    /// may start the prompt a little later than a free pod and still compete: where a prefix
+    /// evicted everywhere returns, and what keeps tenants from spreading over every pod past
+    /// saturation. Default 0, off (router/README.md has what 3 was measured to do: better past
+    /// saturation on distinct tenants, worse where sessions share a system prompt). A companion of
     /// `prefix`, so it counts only while `prefix` is above 0 (`prefix: 0` spreads a shared
     /// prefix, as operators expect).
     pub affinity: f64,
@@ -172,7 +175,7 @@ pub struct SchedulerConfig {
     /// confirm them. Default 2.
     pub pending_ttl_seconds: f64,
     /// Seconds a pod stays the home of a prefix after this router last sent it there (the
-    /// `affinity` weight). Default 120.
+    /// `affinity` weight); another pod can become its home only after that. Default 120.
     pub affinity_ttl_seconds: f64,
 }
 

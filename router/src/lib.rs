@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod error;
+pub mod homes;
 pub mod http;
 pub mod metrics;
 pub mod pods;

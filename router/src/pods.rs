@@ -14,6 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::homes::Homes;
 use kvsight_protocol::bloom::{BloomFilter, FilterError, PreparedChain};
 use kvsight_protocol::messages::{CacheDelta, CacheSnapshot, Hello, Load, Phase};
 
@@ -80,14 +81,7 @@ pub struct Pod {
     /// Uncached prompt tokens of the requests routed here, smoothed: the size this router
     /// assumes for each request the pod reports waiting.
     mean_uncached_tokens: Option<f64>,
-    /// Prefixes (a chain's first block) this router sent here, and when it last did: the pod
-    /// is their *home*, where they return when no cache holds them (see
-    /// `scheduler::scorers::Affinity`). Bounded by [`MAX_HOMES`].
-    homes: HashMap<u64, Instant>,
 }
-
-/// Most prefixes remembered as at home on one pod; beyond it the stalest go first.
-const MAX_HOMES: usize = 65_536;
 
 /// A routed prompt's chain and when it stops counting.
 type PendingChain = (Arc<[u64]>, Instant);
@@ -230,11 +224,6 @@ impl Pod {
         }
     }
 
-    /// When this router last sent a prompt starting with block `first` here.
-    pub fn last_routed(&self, first: u64) -> Option<Instant> {
-        self.homes.get(&first).copied()
-    }
-
     /// The smoothed uncached prompt tokens of requests this router sent here, if it sent any.
     pub fn mean_uncached_tokens(&self) -> Option<f64> {
         self.mean_uncached_tokens
@@ -326,6 +315,7 @@ pub enum RegistryError {
 pub struct Registry {
     pods: HashMap<String, Pod>,
     next_conn: ConnId,
+    homes: Homes,
 }
 
 /// `namespace/name`.
@@ -356,7 +346,6 @@ impl Registry {
             pending: HashMap::new(),
             pending_chains: 0,
             mean_uncached_tokens: None,
-            homes: HashMap::new(),
         };
         // A replaced pod keeps this router's in-flight count: those requests are still running.
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
@@ -369,6 +358,7 @@ impl Registry {
     pub fn unregister(&mut self, key: &str, conn: ConnId) -> bool {
         if self.pods.get(key).is_some_and(|p| p.conn == conn) {
             self.pods.remove(key);
+            self.homes.forget_pod(key);
             true
         } else {
             false
@@ -471,15 +461,6 @@ impl Registry {
             pod.sent.pop_front();
         }
         let Some(&first) = chain.first() else { return };
-        if pod.homes.len() >= MAX_HOMES && !pod.homes.contains_key(&first) {
-            // Full: forget the prefixes not routed here for the longest time (a tenth of them,
-            // so the scan is paid rarely).
-            let mut ages: Vec<Instant> = pod.homes.values().copied().collect();
-            let cut = ages.len() / 10;
-            let (_, &mut oldest_kept, _) = ages.select_nth_unstable(cut);
-            pod.homes.retain(|_, at| *at >= oldest_kept);
-        }
-        pod.homes.insert(first, now);
         // Already resident (its last block is in the pod's filter): nothing to remember, the
         // filter speaks for it and will also show its eviction.
         if let (Some(f), Some(&last)) = (&pod.filter, chain.last())
@@ -517,6 +498,19 @@ impl Registry {
         }
         let after = chains.len();
         pod.pending_chains = pod.pending_chains + after - before;
+    }
+
+    /// Records that a prompt's chain was routed to `key` for the `affinity` scorer and the
+    /// saturation rule (see [`crate::homes`]); `ttl` is `scheduler.affinityTtlSeconds`.
+    pub fn record_home(&mut self, key: &str, chain: &[u64], now: Instant, ttl: Duration) {
+        if self.pods.contains_key(key) {
+            self.homes.record(key, chain, now, ttl);
+        }
+    }
+
+    /// What this router remembers of where prompts live.
+    pub fn homes(&self) -> &Homes {
+        &self.homes
     }
 
     /// A request sent to `key` at `sent_at` finished at `now` (whatever the outcome).

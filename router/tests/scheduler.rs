@@ -761,14 +761,12 @@ fn hashes_of_another_prompt_of_the_same_length_are_not_used() {
 
 /// Past saturation a prefix is often evicted from every pod between two of its requests; a
 /// router that then places it by load alone scatters it, and every pod ends up holding every
-/// tenant. The `affinity` weight sends it back to the pod this router last sent it to — a
-/// preference among loaded pods that lapses after `affinityTtlSeconds`.
+/// tenant. The `affinity` weight sends it back to its home, the pod this router first sent it to
+/// — a preference among loaded pods that lapses after `affinityTtlSeconds`.
 #[test]
 fn a_prefix_no_cache_holds_returns_to_its_home_until_the_home_is_forgotten() {
     let p = prompt(5, 1200);
-    let mut with_affinity = SchedulerConfig::default();
-    with_affinity.weights.affinity = 1.0;
-    let s = Scheduler::new(&with_affinity);
+    let s = with_affinity(1.0);
     // Equally loaded pods, so without a home the pod picked longest ago (`lru`) would win. The
     // prefix is routed once, then `after` passes (beyond the pending TTL: no cache and no
     // pending block speaks for it any more).
@@ -794,12 +792,11 @@ fn a_prefix_no_cache_holds_returns_to_its_home_until_the_home_is_forgotten() {
     assert_eq!(d.matched_blocks, 0, "nothing cached anywhere: {d:?}");
     assert_eq!(d.pod, home, "the prefix goes home: {d:?}");
 
-    // Without the weight (the default), the tie-breaker decides.
+    // Without the weight, the tie-breaker decides.
     let (mut c, home) = routed_once_then(Duration::from_secs(3));
-    let cfg = SchedulerConfig::default();
     let d = {
         let req = req(&p);
-        Scheduler::new(&cfg).pick(&mut c.reg, &req, c.now).unwrap()
+        with_affinity(0.0).pick(&mut c.reg, &req, c.now).unwrap()
     };
     assert_ne!(d.pod, home, "{d:?}");
 
@@ -811,4 +808,140 @@ fn a_prefix_no_cache_holds_returns_to_its_home_until_the_home_is_forgotten() {
         s.pick(&mut c.reg, &req, c.now).unwrap()
     };
     assert_ne!(d.pod, home, "{d:?}");
+}
+
+/// The scheduler with `affinity` at `w` (everything else default).
+fn with_affinity(w: f64) -> Scheduler {
+    let mut cfg = SchedulerConfig::default();
+    cfg.weights.affinity = w;
+    Scheduler::new(&cfg)
+}
+
+/// A pick excluding some pods: the test's way of forcing where a prompt lands.
+fn pick_excluding(c: &mut Cluster, s: &Scheduler, p: &[u32], exclude: &[&str]) -> Decision {
+    let exclude: Vec<String> = exclude.iter().map(|e| format!("ns/{e}")).collect();
+    let req = PickRequest {
+        exclude: &exclude,
+        ..req(p)
+    };
+    s.pick(&mut c.reg, &req, c.now).unwrap()
+}
+
+/// A home is sticky: sending a prefix elsewhere for load does not move it, so when no cache
+/// holds the prefix any more it returns to the pod it first lived on — not to wherever load last
+/// pushed it (which would make every pod a home of every tenant in turn).
+#[test]
+fn a_prefix_sent_elsewhere_for_load_keeps_its_first_home() {
+    let p = prompt(6, 1200);
+    let s = with_affinity(3.0);
+    let mut c = Cluster::new(3, true);
+    let home = pick_excluding(&mut c, &s, &p, &["pod-1", "pod-2"]).pod;
+    assert_eq!(home, "ns/pod-0");
+    c.settle();
+    let moved = pick_excluding(&mut c, &s, &p, &["pod-0", "pod-2"]).pod;
+    assert_eq!(moved, "ns/pod-1");
+    // Past the pending TTL nothing speaks for the prefix; pod-1 (where it went last) is the
+    // lightest, pod-0 and pod-2 equally loaded.
+    c.now += Duration::from_secs(3);
+    c.report(0, load(8, 2, 0.5));
+    c.report(1, load(6, 2, 0.5));
+    c.report(2, load(8, 2, 0.5));
+    let d = {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_eq!(d.matched_blocks, 0, "nothing cached anywhere: {d:?}");
+    assert_eq!(d.pod, "ns/pod-0", "the first home, not the last pod: {d:?}");
+    let home_score = d.scores.iter().find(|(k, _)| *k == "affinity").unwrap().1;
+    assert_eq!(home_score, 1.0, "sent there whole before: {d:?}");
+}
+
+/// A busy home may start a prompt a little later than a free sibling and still compete: by up
+/// to the sibling's own prefill of it, the cost of the copy the move would leave there. A longer
+/// queue is still skipped, and with `affinity` off the free sibling always wins.
+#[test]
+fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
+    let p = prompt(7, 2000); // 125 blocks
+    let short: Vec<Vec<u32>> = (0..12).map(|i| prompt(100 + i, 200)).collect();
+    // Routes `p` to pod-0 once, then short prompts there until the size pod-0 assumes for each
+    // waiting request (the smoothed uncached tokens routed there) is about 700 tokens; past the
+    // pending TTL every pod runs 6 requests (of 8 slots) and pod-0 has `waiting` more.
+    let setup = |s: &Scheduler, waiting: u32| {
+        let mut c = Cluster::new(3, true);
+        pick_excluding(&mut c, s, &p, &["pod-1", "pod-2"]);
+        for q in &short {
+            pick_excluding(&mut c, s, q, &["pod-1", "pod-2"]);
+        }
+        c.settle();
+        c.now += Duration::from_secs(3);
+        for i in 0..3 {
+            c.report(i, load(6, 0, 0.3));
+        }
+        c.report(0, load(6, waiting, 0.3));
+        c
+    };
+    let pick = |c: &mut Cluster, s: &Scheduler| {
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    // One waiting request of ~700 tokens ahead plus 2000 against 2000 on a free sibling, and a
+    // slack of 2000: the home competes, and its home score outweighs its longer queue.
+    let s = with_affinity(3.0);
+    let d = pick(&mut setup(&s, 1), &s);
+    assert_eq!(d.pod, "ns/pod-0", "{d:?}");
+    assert!(!d.all_saturated && d.saturation_skipped == 0, "{d:?}");
+    // Four waiting (~2000 tokens ahead): more than the slack; skipped.
+    let d = pick(&mut setup(&s, 4), &s);
+    assert_ne!(d.pod, "ns/pod-0", "{d:?}");
+    assert_eq!(d.saturation_skipped, 1, "{d:?}");
+    // `affinity` off: no slack, the free sibling starts it sooner.
+    let s = with_affinity(0.0);
+    let d = pick(&mut setup(&s, 1), &s);
+    assert_ne!(d.pod, "ns/pod-0", "{d:?}");
+}
+
+/// A prefix no pod is home to goes where the fewest prefixes live (among equally loaded pods),
+/// so tenants spread evenly and stay that way; the pod picked longest ago (`lru`) would be
+/// another.
+#[test]
+fn a_new_prefix_goes_to_the_pod_home_to_the_fewest() {
+    let s = with_affinity(3.0);
+    let mut c = Cluster::new(3, true);
+    pick_excluding(&mut c, &s, &prompt(1, 1000), &["pod-1", "pod-2"]);
+    pick_excluding(&mut c, &s, &prompt(2, 1000), &["pod-1", "pod-2"]);
+    pick_excluding(&mut c, &s, &prompt(3, 1000), &["pod-0", "pod-1"]);
+    // Shorter than a block: no chain, so no home; pod-1 becomes the pod picked last.
+    pick_excluding(&mut c, &s, &prompt(4, 10), &["pod-0", "pod-2"]);
+    c.settle();
+    let d = {
+        let p = prompt(5, 1000);
+        let req = req(&p);
+        s.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_eq!(d.pod, "ns/pod-1", "{d:?}");
+    let lru = with_affinity(0.0);
+    let d = {
+        let p = prompt(6, 1000);
+        let req = req(&p);
+        lru.pick(&mut c.reg, &req, c.now).unwrap()
+    };
+    assert_eq!(
+        d.pod, "ns/pod-0",
+        "without affinity the tie-breaker decides: {d:?}"
+    );
+}
+
+/// A pod that leaves takes its homes with it: its prefixes are placed afresh (and a pod that
+/// returns under the same name is not their home any more).
+#[test]
+fn homes_of_a_pod_that_left_are_forgotten() {
+    let s = with_affinity(3.0);
+    let mut c = Cluster::new(2, true);
+    let p = prompt(8, 1000);
+    pick_excluding(&mut c, &s, &p, &["pod-1"]);
+    let (key, conn) = c.conns[0].clone();
+    assert!(c.reg.homes().count(&key) > 0);
+    assert!(c.reg.unregister(&key, conn));
+    assert_eq!(c.reg.homes().count(&key), 0);
+    assert!(c.reg.homes().is_empty());
 }

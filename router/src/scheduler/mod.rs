@@ -87,8 +87,13 @@ pub struct Candidate<'a> {
     pub uncached_tokens: u32,
     /// KV blocks the prompt would newly occupy.
     pub new_blocks: u32,
-    /// The prompt's first block at this pod's block size (what identifies a shared prefix).
-    pub first_block: Option<u64>,
+    /// How much of the prompt has this pod as its home ([`crate::homes`]), 0 – 1: twice the
+    /// deepest depth this router remembers sending to one pod over the chain's length (depths
+    /// are powers of two, so a prompt sent whole before gets 1), when that pod is this one;
+    /// else 0. Independent of the match.
+    pub home: f64,
+    /// How many prefix depths this pod is the home of: where a new prefix adds least.
+    pub homes_held: usize,
     chain_index: usize,
     /// Index of the chain prepared for this pod's filter shape, when it has a filter to probe.
     prepared_index: Option<usize>,
@@ -273,10 +278,33 @@ impl Scheduler {
         // Set when a pod that serves the model and is ready cannot hold the prompt.
         let mut too_long = false;
         let mut eligible: Vec<Candidate<'_>> = Vec::with_capacity(reg.len());
+        let homes_ttl = self.cfg.affinity_ttl();
+        // Homes are remembered and read only while a weight uses them.
+        let homes_on = self.cfg.weights.effective(ScorerKind::Affinity) > 0.0;
+        // One home lookup per chain shape (pods of one model usually share one).
+        let mut home_of: Vec<(usize, Option<crate::homes::Found<'_>>)> = Vec::new();
         // Pods of other models never become candidates: building one would hash the prompt at
         // their block size and prepare it for their filter shape, under the lock, for nothing.
         for pod in reg.pods().filter(|p| p.serves(req.model)) {
-            let cand = m.candidate(pod, req);
+            let mut cand = m.candidate(pod, req);
+            if homes_on {
+                let found = match home_of.iter().find(|(i, _)| *i == cand.chain_index) {
+                    Some((_, f)) => *f,
+                    None => {
+                        let f = reg
+                            .homes()
+                            .find(&m.chains[cand.chain_index].1, now, homes_ttl);
+                        home_of.push((cand.chain_index, f));
+                        f
+                    }
+                };
+                cand.homes_held = reg.homes().count(&pod.key);
+                if let Some(f) = found.filter(|f| f.pod == pod.key) {
+                    // Depths are powers of two, so a prompt sent whole before is remembered to
+                    // at least half its length: that counts as all of it.
+                    cand.home = (2.0 * f.blocks as f64 / cand.chain_len.max(1) as f64).min(1.0);
+                }
+            }
             // Filters run in order (serves, ready, window): a pod refused as too long serves
             // the model and is ready.
             match self.hard.iter().try_for_each(|f| f.check(&ctx, &cand)) {
@@ -333,14 +361,19 @@ impl Scheduler {
             for c in open.iter_mut() {
                 m.resolve(c, req, now);
             }
-            let best_free = open
-                .iter()
-                .map(|c| saturation::predicted_ttft(&ctx, c))
-                .fold(f64::INFINITY, f64::min);
-            open.extend(
-                busy.drain(..)
-                    .filter(|c| saturation::predicted_ttft(&ctx, c) <= best_free),
-            );
+            let (best_free, best_free_prefill) =
+                open.iter()
+                    .fold((f64::INFINITY, f64::INFINITY), |(t, p), c| {
+                        (
+                            t.min(saturation::predicted_ttft(&ctx, c)),
+                            p.min(saturation::own_prefill_s(&ctx, c)),
+                        )
+                    });
+            // The prompt's home may be a little later: see `saturation` on homes.
+            let home_slack = if homes_on { best_free_prefill } else { 0.0 };
+            open.extend(busy.drain(..).filter(|c| {
+                saturation::predicted_ttft(&ctx, c) <= best_free + c.home * home_slack
+            }));
         }
         let all_saturated = open.is_empty();
         if all_saturated {
@@ -395,6 +428,9 @@ impl Scheduler {
             chain: record_chain,
         };
         reg.record_pick(&decision.pod, &picked, now, self.cfg.pending_ttl());
+        if homes_on {
+            reg.record_home(&decision.pod, record_chain, now, homes_ttl);
+        }
         Ok(decision)
     }
 }

@@ -23,6 +23,13 @@
 //! predicted time alone was measured to collapse just like the shortest queue (the backlog is an
 //! estimate; a prefix cache is a fact).
 //!
+//! A prompt's *home* ([`crate::homes`], while the `affinity` weight is on) may start a little
+//! later than the best free pod and still compete: by up to the free pods' shortest own prefill
+//! of the prompt, scaled by how much of the prompt the home covers. Moving a prefix off its home costs
+//! that prefill twice — once now, and once more for whichever prefix the copy evicts from the
+//! sibling's cache (measured on issue 16's KV-starved load: moves of a tenant off the pod that
+//! held it fell from 110–200 to 25–60 of 480 requests).
+//!
 //! The backlog: the requests the pod reports waiting, each the size of the uncached prompts this
 //! router recently sent there (requests of other routers and of no router are assumed alike), plus
 //! the uncached tokens of what this router sent since that report. The rate: what the sidecar
@@ -118,13 +125,18 @@ fn prefill_rate(ctx: &Ctx<'_>, c: &Candidate<'_>) -> f64 {
 }
 
 /// Predicted seconds from now to the request's first token on the candidate's pod (see the
-/// module docs). Uses the candidate's match as it stands: exact once resolved.
+/// module docs): the backlog ahead of it plus its own prefill. Uses the candidate's match as it
+/// stands: exact once resolved.
 pub fn predicted_ttft(ctx: &Ctx<'_>, c: &Candidate<'_>) -> f64 {
-    let rate = prefill_rate(ctx, c);
     let per_request = c
         .pod
         .mean_uncached_tokens()
         .or(ctx.fleet.uncached_per_request)
         .unwrap_or(f64::from(ctx.req.prompt_tokens));
-    (c.projection.queued_prefill_tokens(per_request) + f64::from(c.uncached_tokens)) / rate
+    c.projection.queued_prefill_tokens(per_request) / prefill_rate(ctx, c) + own_prefill_s(ctx, c)
+}
+
+/// Predicted seconds of the request's own prefill on the candidate's pod (its uncached tokens).
+pub fn own_prefill_s(ctx: &Ctx<'_>, c: &Candidate<'_>) -> f64 {
+    f64::from(c.uncached_tokens) / prefill_rate(ctx, c)
 }

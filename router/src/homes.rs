@@ -1,0 +1,274 @@
+//! Where each prefix lives: the pod this router first placed it on, remembered so that a prefix
+//! evicted from every cache returns there, and so that a loaded home is not given up lightly.
+//!
+//! Why a router that sees real caches still needs a memory: past saturation the engines' LRU
+//! evicts a tenant's prefix between two of its requests, and a loaded pod is skipped for an idle
+//! sibling. Each such move places the prefix on a pod that did not hold it, where it evicts some
+//! other tenant's, whose next request then moves too: every pod ends up holding every tenant and
+//! none for long (measured on issue 16's KV-starved load: tenants spread over 10–14 of 24 per pod
+//! where 6 fit, and a third of the lost hits were requests whose prefix no pod held any more).
+//! A home is *exclusive* and *sticky*: the first pod a prefix is routed to owns it while this
+//! router keeps sending it there (within `affinityTtlSeconds`); sending it elsewhere for load does
+//! not move it. A home is a preference (the `affinity` scorer and the saturation rule's slack),
+//! never a prediction: the cached tokens the router predicts come from the real caches only.
+//!
+//! A prefix is named by blocks of its chain at depths 1, 2, 4, 8, … (the hashes at indices
+//! 0, 1, 3, 7, …): a chain hash commits to every token before it, so the deepest remembered one
+//! says how much of the prompt this router has already sent to one pod. A prompt matched only
+//! at a shallow depth (a chat template's header that every tenant shares) gets a home worth
+//! little — its weight is the fraction of the prompt it covers — so one pod does not become the
+//! home of everything that starts alike.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Most remembered prefix depths (about eight per distinct prompt); beyond it the expired and
+/// then the stalest go first. ~48 bytes each.
+pub const MAX_HOMES: usize = 262_144;
+
+/// One remembered depth: the pod that owns it and when this router last sent it there.
+#[derive(Debug, Clone)]
+struct Home {
+    pod: Arc<str>,
+    at: Instant,
+}
+
+/// The prompt's home: its pod and how many leading blocks of the prompt it covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found<'a> {
+    pub pod: &'a str,
+    pub blocks: usize,
+}
+
+/// Every remembered home (see the module docs).
+#[derive(Debug, Default)]
+pub struct Homes {
+    map: HashMap<u64, Home>,
+    /// Interned pod keys, so an entry costs a pointer rather than a string; with each pod's
+    /// number of entries (expired ones included until the next prune).
+    pods: HashMap<String, (Arc<str>, usize)>,
+    /// When expired entries were last dropped.
+    pruned_at: Option<Instant>,
+}
+
+/// Chain indices that name a prefix: 0, 1, 3, 7, … below `len`.
+fn depths(len: usize) -> impl DoubleEndedIterator<Item = usize> {
+    // 2^k - 1 < len for k in 0..=floor(log2(len)).
+    (0..usize::BITS - len.leading_zeros()).map(|k| (1usize << k) - 1)
+}
+
+impl Homes {
+    /// Records that `chain` was routed to `pod` at `now`: every depth without a live home
+    /// becomes `pod`'s, and `pod`'s own are refreshed. Depths another pod owns stay its own.
+    pub fn record(&mut self, pod: &str, chain: &[u64], now: Instant, ttl: Duration) {
+        if chain.is_empty() {
+            return;
+        }
+        // Expired entries are dropped a few times per TTL, so the per-pod counts stay close to
+        // the live homes.
+        if self.map.len() >= MAX_HOMES
+            || self
+                .pruned_at
+                .is_none_or(|at| now.saturating_duration_since(at) > ttl / 4)
+        {
+            self.prune(now, ttl);
+        }
+        let pod = match self.pods.get(pod) {
+            Some((k, _)) => k.clone(),
+            None => {
+                let k: Arc<str> = Arc::from(pod);
+                self.pods.insert(pod.to_owned(), (k.clone(), 0));
+                k
+            }
+        };
+        let mut gained = 0;
+        for d in depths(chain.len()) {
+            let previous = match self.map.get_mut(&chain[d]) {
+                Some(home) if home.pod == pod => {
+                    home.at = now;
+                    continue;
+                }
+                Some(home) if now.saturating_duration_since(home.at) <= ttl => continue,
+                Some(home) => {
+                    home.at = now;
+                    Some(std::mem::replace(&mut home.pod, pod.clone()))
+                }
+                None => {
+                    self.map.insert(
+                        chain[d],
+                        Home {
+                            pod: pod.clone(),
+                            at: now,
+                        },
+                    );
+                    None
+                }
+            };
+            if let Some(p) = previous
+                && let Some(e) = self.pods.get_mut(&*p)
+            {
+                e.1 = e.1.saturating_sub(1);
+            }
+            gained += 1;
+        }
+        if let Some(e) = self.pods.get_mut(&*pod) {
+            e.1 += gained;
+        }
+    }
+
+    /// How many prefix depths `pod` is the home of (expired ones until the next prune, at
+    /// most a quarter of the TTL later): where a new prefix adds least.
+    pub fn count(&self, pod: &str) -> usize {
+        self.pods.get(pod).map_or(0, |(_, n)| *n)
+    }
+
+    /// The home of the deepest remembered depth of `chain` that is still live.
+    pub fn find(&self, chain: &[u64], now: Instant, ttl: Duration) -> Option<Found<'_>> {
+        depths(chain.len()).rev().find_map(|d| {
+            self.map
+                .get(&chain[d])
+                .filter(|h| now.saturating_duration_since(h.at) <= ttl)
+                .map(|h| Found {
+                    pod: &h.pod,
+                    blocks: d + 1,
+                })
+        })
+    }
+
+    /// Forgets every home of a pod that left: its prefixes find new homes at once.
+    pub fn forget_pod(&mut self, pod: &str) {
+        if let Some((k, _)) = self.pods.remove(pod) {
+            self.map.retain(|_, h| h.pod != k);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Drops the expired homes, and when that is not enough the stalest tenth (so the scan is
+    /// paid rarely: a few times per TTL, a few milliseconds at the cap, under the registry
+    /// lock).
+    fn prune(&mut self, now: Instant, ttl: Duration) {
+        self.pruned_at = Some(now);
+        self.map
+            .retain(|_, h| now.saturating_duration_since(h.at) <= ttl);
+        if self.map.len() >= MAX_HOMES * 9 / 10 {
+            let mut ages: Vec<Instant> = self.map.values().map(|h| h.at).collect();
+            let cut = ages.len() / 10;
+            let (_, &mut oldest_kept, _) = ages.select_nth_unstable(cut);
+            self.map.retain(|_, h| h.at > oldest_kept);
+        }
+        for (_, n) in self.pods.values_mut() {
+            *n = 0;
+        }
+        for h in self.map.values() {
+            if let Some(e) = self.pods.get_mut(&*h.pod) {
+                e.1 += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(120);
+
+    fn chain(tenant: u64, len: usize) -> Vec<u64> {
+        (0..len as u64).map(|i| tenant << 32 | i).collect()
+    }
+
+    #[test]
+    fn depths_are_one_less_than_powers_of_two() {
+        assert_eq!(depths(0).collect::<Vec<_>>(), Vec::<usize>::new());
+        assert_eq!(depths(1).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(depths(8).collect::<Vec<_>>(), vec![0, 1, 3, 7]);
+        assert_eq!(depths(200).count(), 8);
+    }
+
+    #[test]
+    fn the_first_pod_keeps_a_prefix_sent_elsewhere_for_load() {
+        let (mut h, t0) = (Homes::default(), Instant::now());
+        let c = chain(1, 100);
+        h.record("a", &c, t0, TTL);
+        h.record("b", &c, t0 + Duration::from_secs(1), TTL);
+        let found = h.find(&c, t0 + Duration::from_secs(2), TTL).unwrap();
+        assert_eq!((found.pod, found.blocks), ("a", 64));
+    }
+
+    #[test]
+    fn a_home_not_used_for_the_ttl_passes_to_the_pod_that_serves_the_prefix() {
+        let (mut h, t0) = (Homes::default(), Instant::now());
+        let c = chain(1, 10);
+        h.record("a", &c, t0, TTL);
+        // Refreshed by its own pod, so it outlives the first TTL.
+        h.record("a", &c, t0 + Duration::from_secs(100), TTL);
+        h.record("b", &c, t0 + Duration::from_secs(150), TTL);
+        assert_eq!(
+            h.find(&c, t0 + Duration::from_secs(150), TTL).unwrap().pod,
+            "a"
+        );
+        h.record("b", &c, t0 + Duration::from_secs(221), TTL);
+        assert_eq!(
+            h.find(&c, t0 + Duration::from_secs(221), TTL).unwrap().pod,
+            "b"
+        );
+        assert!(h.find(&c, t0 + Duration::from_secs(400), TTL).is_none());
+    }
+
+    #[test]
+    fn a_shared_header_gives_a_new_prompt_only_a_shallow_home() {
+        let (mut h, t0) = (Homes::default(), Instant::now());
+        // Two tenants whose prompts share their first two blocks (a template header).
+        let a: Vec<u64> = (0..100)
+            .map(|i| if i < 2 { i } else { 1 << 32 | i })
+            .collect();
+        let b: Vec<u64> = (0..100)
+            .map(|i| if i < 2 { i } else { 2 << 32 | i })
+            .collect();
+        h.record("pod-a", &a, t0, TTL);
+        assert_eq!(h.find(&a, t0, TTL).unwrap().blocks, 64);
+        let found = h.find(&b, t0, TTL).unwrap();
+        assert_eq!(
+            (found.pod, found.blocks),
+            ("pod-a", 2),
+            "only the header is pod-a's"
+        );
+        h.record("pod-b", &b, t0, TTL);
+        assert_eq!(h.find(&b, t0, TTL).unwrap().pod, "pod-b");
+        assert_eq!(h.find(&a, t0, TTL).unwrap().pod, "pod-a");
+    }
+
+    #[test]
+    fn a_pod_that_leaves_takes_its_homes_with_it() {
+        let (mut h, t0) = (Homes::default(), Instant::now());
+        h.record("a", &chain(1, 10), t0, TTL);
+        h.record("b", &chain(2, 10), t0, TTL);
+        h.forget_pod("a");
+        assert!(h.find(&chain(1, 10), t0, TTL).is_none());
+        assert_eq!(h.find(&chain(2, 10), t0, TTL).unwrap().pod, "b");
+        h.record("c", &chain(1, 10), t0, TTL);
+        assert_eq!(h.find(&chain(1, 10), t0, TTL).unwrap().pod, "c");
+    }
+
+    #[test]
+    fn memory_is_bounded_and_the_freshest_homes_survive() {
+        let (mut h, t0) = (Homes::default(), Instant::now());
+        // One-block prompts: one entry each.
+        let n = MAX_HOMES + 1000;
+        for i in 0..n as u64 {
+            h.record("a", &[i], t0 + Duration::from_millis(i / 100), TTL);
+        }
+        assert!(h.len() <= MAX_HOMES, "{}", h.len());
+        let now = t0 + Duration::from_millis(n as u64 / 100);
+        assert!(h.find(&[n as u64 - 1], now, TTL).is_some());
+        assert!(h.find(&[0], now, TTL).is_none());
+    }
+}
