@@ -5,8 +5,9 @@
 //! evicts a tenant's prefix between two of its requests, and a loaded pod is skipped for an idle
 //! sibling. Each such move places the prefix on a pod that did not hold it, where it evicts some
 //! other tenant's, whose next request then moves too: every pod ends up holding every tenant and
-//! none for long (measured on issue 16's KV-starved load: tenants spread over 10–14 of 24 per pod
-//! where 6 fit, and a third of the lost hits were requests whose prefix no pod held any more).
+//! none for long (measured on issue 16's KV-starved load: 10–14 of the 24 tenants went to each
+//! pod where 6 fit, and about 40 % of the lost hits were requests whose prefix no pod held any
+//! more).
 //! A home is *exclusive* and *sticky*: the first pod a prefix is routed to owns it while this
 //! router keeps sending it there (within `affinityTtlSeconds`); sending it elsewhere for load does
 //! not move it. A home is a preference (the `affinity` scorer and the saturation rule's slack),
@@ -16,8 +17,10 @@
 //! 0, 1, 3, 7, …): a chain hash commits to every token before it, so the deepest remembered one
 //! says how much of the prompt this router has already sent to one pod. A prompt matched only
 //! at a shallow depth (a chat template's header that every tenant shares) gets a home worth
-//! little — its weight is the fraction of the prompt it covers — so one pod does not become the
-//! home of everything that starts alike.
+//! little — twice the fraction of the prompt it covers, at most 1 — so one pod does not become
+//! the home of everything that starts alike. A shared prefix that is most of a prompt (a system
+//! prompt every chat session starts with) is not told apart from a tenant's own: its home draws
+//! new sessions, which is why the `affinity` weight is off by default (router/README.md).
 
 use std::collections::HashMap;
 use std::sync::Arc;
