@@ -25,10 +25,10 @@
 //!
 //! A prompt's *home* ([`crate::homes`], while the `affinity` weight is on) may start a little
 //! later than the best free pod and still compete: by up to the free pods' shortest own prefill
-//! of the prompt, scaled by how much of the prompt the home covers. Moving a prefix off its home costs
-//! that prefill twice — once now, and once more for whichever prefix the copy evicts from the
-//! sibling's cache (measured on issue 16's KV-starved load: moves of a tenant off the pod that
-//! held it fell from 110–200 to 25–60 of 480 requests).
+//! of the prompt, scaled by how much of the prompt the home covers. Moving a prefix off its home
+//! costs that prefill twice — once now, and once more for whichever prefix the copy evicts from
+//! the sibling's cache (measured on issue 16's KV-starved load, with the home score: moves of a
+//! tenant off its first pod fell from 178–228 to 32–40 of 480 requests).
 //!
 //! The backlog: the requests the pod reports waiting, each the size of the uncached prompts this
 //! router recently sent there (requests of other routers and of no router are assumed alike), plus
