@@ -19,8 +19,8 @@
 //! at a shallow depth (a chat template's header that every tenant shares) gets a home worth
 //! little — twice the fraction of the prompt it covers, at most 1 — so one pod does not become
 //! the home of everything that starts alike. A shared prefix that is most of a prompt (a system
-//! prompt every chat session starts with) is not told apart from a tenant's own: its home draws
-//! new sessions, which is why the `affinity` weight is off by default (router/README.md).
+//! prompt every chat session starts with) is told apart from a tenant's own by where else it
+//! lives: a home counts only beyond the *commons*, what most other pods hold too ([`value`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -53,6 +53,52 @@ pub struct Homes {
     pods: HashMap<String, (Arc<str>, usize)>,
     /// When expired entries were last dropped.
     pruned_at: Option<Instant>,
+}
+
+/// What a home at `depth` blocks is worth to a prompt of `chain_len` blocks when `commons`
+/// leading blocks are held by most other pods anyway: the share of the rest of the prompt it
+/// covers, doubled (depths are powers of two, so a prompt sent whole before is remembered to at
+/// least half its length: that counts as all of it), at most 1; 0 when the home covers no more
+/// than the commons.
+///
+/// The commons are what tells a tenant's prefix from a system prompt every session shares: the
+/// latter ends up resident on every pod, so its home is worth nothing and new sessions spread;
+/// a tenant's prefix lives on its home (and at most on a pod or two it was moved to for load),
+/// so its home keeps its worth.
+pub fn value(depth: usize, commons: usize, chain_len: usize) -> f64 {
+    let rest = chain_len.saturating_sub(commons);
+    if depth <= commons || rest == 0 {
+        return 0.0;
+    }
+    (2.0 * (depth - commons) as f64 / rest as f64).min(1.0)
+}
+
+/// A home is overloaded, and claims nothing, while its pod carries more than this many times
+/// the mean load (running + waiting requests, projected) of the model's eligible pods, plus one.
+/// One prefix whose traffic is more than a pod's worth (a system prompt every chat session
+/// starts with) must spread before the commons can see it on the other pods: measured on the
+/// bench's `multi_turn` (8 pods, 96 req/s, `affinity: 3`), without it 129 of 240 requests went
+/// to one pod (TTFT p90 0.83 s); with it 22–38 per pod and TTFT p90 0.06 s, as with homes off.
+/// Three, not less: among four pods it needs one pod to carry three times the other three
+/// together (plus four), which issue 16's evenly placed tenants never reach for long.
+pub const OVERLOAD: f64 = 3.0;
+
+/// Whether a home whose pod carries `load` is [`OVERLOAD`]ed against the pods' `mean` load.
+pub fn overloaded(load: f64, mean: f64) -> bool {
+    load > OVERLOAD * mean + 1.0
+}
+
+/// The commons of [`value`]: the longest match more than half of `others` hold (their matched
+/// blocks, in any order; reordered here). 0 without others. More than half, so that a tenant's
+/// prefix moved once for load (its home and one sibling hold it) keeps its home among three or
+/// more pods.
+pub fn commons(others: &mut [usize]) -> usize {
+    if others.is_empty() {
+        return 0;
+    }
+    others.sort_unstable_by(|a, b| b.cmp(a));
+    // The (⌊k/2⌋+1)-th longest: more than half of the k others hold this much.
+    others[others.len() / 2]
 }
 
 /// Chain indices that name a prefix: 0, 1, 3, 7, … below `len`.
@@ -247,6 +293,40 @@ mod tests {
         h.record("pod-b", &b, t0, TTL);
         assert_eq!(h.find(&b, t0, TTL).unwrap().pod, "pod-b");
         assert_eq!(h.find(&a, t0, TTL).unwrap().pod, "pod-a");
+    }
+
+    #[test]
+    fn a_home_counts_beyond_what_most_other_pods_hold() {
+        // A prompt of 100 blocks whose home holds 64.
+        assert_eq!(value(64, 0, 100), 1.0);
+        assert_eq!(value(16, 0, 100), 0.32);
+        // A shared 40-block system prompt on every pod: a home that ends inside it is worth
+        // nothing; a session's own turns beyond it count against the rest of the prompt.
+        assert_eq!(value(32, 40, 100), 0.0);
+        assert_eq!(value(64, 40, 100), 0.8);
+        assert_eq!(value(5, 5, 5), 0.0);
+        // Commons: more than half of the others.
+        assert_eq!(commons(&mut []), 0);
+        assert_eq!(commons(&mut [40]), 40);
+        assert_eq!(
+            commons(&mut [62, 0]),
+            0,
+            "moved once: one sibling of two holds it"
+        );
+        assert_eq!(commons(&mut [0, 62, 0]), 0);
+        assert_eq!(commons(&mut [40, 0, 40]), 40);
+        assert_eq!(commons(&mut [40, 40, 40, 0, 0, 0, 40]), 40, "4 of 7");
+        assert_eq!(commons(&mut [40, 40, 40, 0, 0, 0, 0]), 0, "3 of 7");
+    }
+
+    #[test]
+    fn a_home_far_above_the_mean_load_is_overloaded() {
+        // Loads [30, 2, 2, 2]: mean 9, 30 > 28.
+        assert!(overloaded(30.0, 9.0));
+        // [24, 3, 3, 3]: mean 8.25, 24 < 25.75.
+        assert!(!overloaded(24.0, 8.25));
+        // Nothing running anywhere but one request at home: not overloaded.
+        assert!(!overloaded(1.0, 0.25));
     }
 
     #[test]

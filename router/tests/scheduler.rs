@@ -857,8 +857,9 @@ fn a_prefix_sent_elsewhere_for_load_keeps_its_first_home() {
 }
 
 /// A busy home may start a prompt a little later than a free sibling and still compete: by up
-/// to the sibling's own prefill of it, the cost of the copy the move would leave there. A longer
-/// queue is still skipped, and with `affinity` off the free sibling always wins.
+/// to three of the sibling's own prefills of it (`HOME_SLACK_PREFILLS`; a move pays the prefill
+/// now and again for what the copy evicts). A longer queue is still skipped, and with `affinity`
+/// off the free sibling always wins.
 #[test]
 fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
     let p = prompt(7, 2000); // 125 blocks
@@ -884,14 +885,15 @@ fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
         let req = req(&p);
         s.pick(&mut c.reg, &req, c.now).unwrap()
     };
-    // One waiting request of ~700 tokens ahead plus 2000 against 2000 on a free sibling, and a
-    // slack of 2000: the home competes, and its home score outweighs its longer queue.
+    // Four waiting requests of ~700 tokens ahead plus 2000 against 2000 on a free sibling, and a
+    // slack of three prefills (6000): the home competes, and its home score outweighs its longer
+    // queue.
     let s = with_affinity(3.0);
-    let d = pick(&mut setup(&s, 1), &s);
+    let d = pick(&mut setup(&s, 4), &s);
     assert_eq!(d.pod, "ns/pod-0", "{d:?}");
     assert!(!d.all_saturated && d.saturation_skipped == 0, "{d:?}");
-    // Four waiting (~2000 tokens ahead): more than the slack; skipped.
-    let d = pick(&mut setup(&s, 4), &s);
+    // Twelve waiting (~8400 tokens ahead): more than the slack; skipped.
+    let d = pick(&mut setup(&s, 12), &s);
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
     assert_eq!(d.saturation_skipped, 1, "{d:?}");
     // `affinity` off: no slack, the free sibling starts it sooner.
@@ -944,4 +946,87 @@ fn homes_of_a_pod_that_left_are_forgotten() {
     assert!(c.reg.unregister(&key, conn));
     assert_eq!(c.reg.homes().count(&key), 0);
     assert!(c.reg.homes().is_empty());
+}
+
+/// A system prompt every session starts with ends up on every pod: its home is worth nothing
+/// there (it counts only beyond what most other pods hold), so a new session goes where the
+/// fewest prefixes live instead of piling onto the pod that served the first session. A tenant's
+/// prefix that a sibling holds too (moved once for load) keeps its home.
+#[test]
+fn a_prefix_most_pods_hold_is_nobodys_home() {
+    let s = with_affinity(3.0);
+    let mut c = Cluster::new(4, true);
+    // Sessions: a 640-token system prompt (40 blocks) and 460 tokens of their own (68 blocks).
+    let session = |k: u32| -> Vec<u32> {
+        let mut p = prompt(50, 640);
+        p.extend(prompt(60 + k, 460));
+        p
+    };
+    let first = pick_excluding(&mut c, &s, &session(0), &["pod-1", "pod-2", "pod-3"]);
+    assert_eq!(first.pod, "ns/pod-0");
+    // The system prompt's home (depths 1 – 32) is pod-0's; the others hold it (pending) once a
+    // session went to each.
+    pick_excluding(&mut c, &s, &session(1), &["pod-0", "pod-2", "pod-3"]);
+    pick_excluding(&mut c, &s, &session(2), &["pod-0", "pod-1", "pod-3"]);
+    pick_excluding(&mut c, &s, &session(3), &["pod-0", "pod-1", "pod-2"]);
+    c.settle();
+    let d = {
+        let p = session(4);
+        s.pick(&mut c.reg, &req(&p), c.now).unwrap()
+    };
+    assert_eq!(
+        d.matched_blocks, 40,
+        "every pod holds the system prompt: {d:?}"
+    );
+    assert_ne!(
+        d.pod, "ns/pod-0",
+        "the system prompt is nobody's home: {d:?}"
+    );
+
+    // A tenant's prompt: home pod-0, moved once to pod-1; both hold it, pod-2 and pod-3 not.
+    let t = prompt(70, 1100);
+    pick_excluding(&mut c, &s, &t, &["pod-1", "pod-2", "pod-3"]);
+    pick_excluding(&mut c, &s, &t, &["pod-0", "pod-2", "pod-3"]);
+    let d = s.pick(&mut c.reg, &req(&t), c.now).unwrap();
+    assert_eq!(
+        d.pod, "ns/pod-0",
+        "a sibling's copy does not take the home: {d:?}"
+    );
+    let home_score = d.scores.iter().find(|(k, _)| *k == "affinity").unwrap().1;
+    assert_eq!(home_score, 1.0, "{d:?}");
+}
+
+/// Before the other pods hold a shared system prompt, its home must not draw every new session:
+/// a home carrying more than three times the pods' mean load (plus one) claims nothing, so new
+/// sessions spread and the prompt becomes common.
+#[test]
+fn a_home_carrying_most_of_the_load_claims_nothing() {
+    let s = with_affinity(3.0);
+    let session = |k: u32| -> Vec<u32> {
+        let mut p = prompt(50, 640);
+        p.extend(prompt(60 + k, 460));
+        p
+    };
+    let setup = |others: u32| {
+        let mut c = Cluster::new(4, true);
+        pick_excluding(&mut c, &s, &session(0), &["pod-1", "pod-2", "pod-3"]);
+        c.settle();
+        c.now += Duration::from_secs(3); // past the pending TTL: only pod-0's home remains
+        c.report(0, load(7, 0, 0.3));
+        for i in 1..4 {
+            c.report(i, load(others, 0, 0.1));
+        }
+        c
+    };
+    let pick = |c: &mut Cluster| {
+        let p = session(1);
+        s.pick(&mut c.reg, &req(&p), c.now).unwrap()
+    };
+    // Loads [7, 1, 1, 1] (of 8 slots): mean 2.5, 7 <= 8.5; the home wins on affinity over
+    // lighter pods.
+    let d = pick(&mut setup(1));
+    assert_eq!(d.pod, "ns/pod-0", "{d:?}");
+    // [7, 0, 0, 0]: mean 1.75, 7 > 6.25; overloaded, a lighter pod takes the new session.
+    let d = pick(&mut setup(0));
+    assert_ne!(d.pod, "ns/pod-0", "{d:?}");
 }

@@ -91,6 +91,10 @@ pub struct Args {
     /// vLLM's --max-num-batched-tokens, when known.
     #[arg(long, env = "KVSIGHT_MAX_NUM_BATCHED_TOKENS")]
     pub max_num_batched_tokens: Option<u32>,
+    /// How often freed heap pages are handed back to the system (glibc's malloc_trim); 0 turns
+    /// it off. The sidecar lives inside the model pod's memory limit (see `memory`).
+    #[arg(long, env = "KVSIGHT_MEMORY_TRIM_INTERVAL", default_value = "5s")]
+    pub memory_trim_interval: String,
 }
 
 /// A configuration value that cannot be used.
@@ -153,6 +157,8 @@ pub struct Config {
     pub drain_grace: Duration,
     pub max_num_seqs: u32,
     pub max_num_batched_tokens: Option<u32>,
+    /// `Duration::ZERO`: never.
+    pub memory_trim_interval: Duration,
 }
 
 /// Parses `100ms`, `5s`, `2m`, `1h` (a bare number is seconds).
@@ -313,8 +319,21 @@ impl Args {
             drain_grace: duration("drain-grace", &self.drain_grace, Duration::ZERO)?,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            memory_trim_interval: trim_interval(&self.memory_trim_interval)?,
         })
     }
+}
+
+/// 0 (off) or at least 100 ms: a trim walks every arena under its lock, so not in a hot loop.
+fn trim_interval(s: &str) -> Result<Duration, ConfigError> {
+    let d = duration("memory-trim-interval", s, Duration::ZERO)?;
+    if !d.is_zero() && d < Duration::from_millis(100) {
+        return Err(bad(
+            "memory-trim-interval",
+            format!("{s} is shorter than 100ms (0 turns trimming off)"),
+        ));
+    }
+    Ok(d)
 }
 
 #[cfg(test)]
@@ -343,6 +362,19 @@ mod tests {
         assert_eq!(c.publish_interval, Duration::from_millis(50));
         assert_eq!(c.advertise_url, "http://127.0.0.1:8000");
         assert!(c.routers.is_empty());
+        assert_eq!(c.memory_trim_interval, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn memory_trimming_is_off_at_zero_and_never_in_a_hot_loop() {
+        let trim = |v: &str| {
+            args(&["--memory-trim-interval", v])
+                .validate(|_| None)
+                .map(|c| c.memory_trim_interval)
+        };
+        assert_eq!(trim("0"), Ok(Duration::ZERO));
+        assert_eq!(trim("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(trim("10ms").unwrap_err().field, "memory-trim-interval");
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod config;
 pub mod engine;
 pub mod kv_events;
 pub mod load;
+pub mod memory;
 pub mod metrics;
 pub mod mirror;
 pub mod publisher;

@@ -1,5 +1,5 @@
 //! The kvsight-sidecar binary: parse and validate config (exit 64 naming the field), bind, wire
-//! SIGTERM/Ctrl-C to the drain, run.
+//! SIGTERM/Ctrl-C to the drain, hand freed memory back periodically, run.
 
 use std::process::ExitCode;
 
@@ -38,6 +38,12 @@ async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
     tracing::info!(listen = %http.local_addr()?, "health and metrics");
+    // Process-wide, so the binary's business rather than `run`'s: tests start many sidecars in
+    // one process. Ends with the drain's start; the last seconds of a stopping pod need no trim.
+    tokio::spawn(kvsight_sidecar::memory::trim_every(
+        config.memory_trim_interval,
+        shutdown.clone(),
+    ));
     run(Listeners { http }, config, shutdown).await?;
     Ok(())
 }

@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 
 mod chart;
 mod deps;
+mod unsafe_check;
 
 const USAGE: &str = "\
 usage: cargo xtask <command>
@@ -152,6 +153,7 @@ fn ci(root: &Path) -> Result<()> {
         ])),
     )?;
     deps::deps_check()?;
+    unsafe_check::unsafe_confined(root)?;
     let python = venv
         .join()
         .map_err(|_| anyhow::anyhow!("the python venv thread panicked"))??;
@@ -258,8 +260,9 @@ fn count_before(line: &str, what: &str) -> u64 {
 /// seconds, one after another, growing its corpus in place; then a table of what each run did.
 ///
 /// libFuzzer runs in one process (no `-jobs`), so a campaign uses one core. The build has no
-/// sanitizer: every crate of ours forbids `unsafe`, and the instrumentation's cost would halve
-/// the executions; debug assertions and overflow checks stay on (cargo-fuzz's default).
+/// sanitizer: our crates deny `unsafe` (one `malloc_trim` call, on no fuzzed path), and the
+/// instrumentation's cost would halve the executions; debug assertions and overflow checks stay
+/// on (cargo-fuzz's default).
 fn fuzz(root: &Path, args: &[String]) -> Result<()> {
     let mut seconds: u64 = 60;
     let mut only = Vec::new();

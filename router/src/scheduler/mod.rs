@@ -87,11 +87,12 @@ pub struct Candidate<'a> {
     pub uncached_tokens: u32,
     /// KV blocks the prompt would newly occupy.
     pub new_blocks: u32,
-    /// How much of the prompt has this pod as its home ([`crate::homes`]), 0 – 1: twice the
-    /// deepest depth this router remembers sending to one pod over the chain's length (depths
-    /// are powers of two, so a prompt sent whole before gets 1), when that pod is this one;
-    /// else 0. Independent of the match.
+    /// How much of the prompt has this pod as its home ([`crate::homes`]), 0 – 1, when the
+    /// deepest depth this router remembers sending to one pod was sent to this one; else 0.
+    /// Counted beyond what most other pods hold ([`crate::homes::value`]).
     pub home: f64,
+    /// The remembered depth behind `home`, in blocks (0: not this pod's home).
+    home_depth: usize,
     /// How many prefix depths this pod is the home of: where a new prefix adds least.
     pub homes_held: usize,
     chain_index: usize,
@@ -300,9 +301,7 @@ impl Scheduler {
                 };
                 cand.homes_held = reg.homes().count(&pod.key);
                 if let Some(f) = found.filter(|f| f.pod == pod.key) {
-                    // Depths are powers of two, so a prompt sent whole before is remembered to
-                    // at least half its length: that counts as all of it.
-                    cand.home = (2.0 * f.blocks as f64 / cand.chain_len.max(1) as f64).min(1.0);
+                    cand.home_depth = f.blocks;
                 }
             }
             // Filters run in order (serves, ready, window): a pod refused as too long serves
@@ -321,6 +320,38 @@ impl Scheduler {
             } else {
                 PickError::NoReadyPod(req.model.to_owned())
             });
+        }
+        if eligible.iter().any(|c| c.home_depth > 0) {
+            // A home is worth what it holds beyond the commons, so every match is needed (a
+            // pick with a home only; ≤ a few dozen pods of a model); and nothing while it
+            // carries far more than its share of the load.
+            for c in eligible.iter_mut() {
+                m.resolve(c, req, now);
+            }
+            let mut others: Vec<usize> = Vec::with_capacity(eligible.len());
+            let load = |c: &Candidate<'_>| f64::from(c.projection.running + c.projection.waiting);
+            let mean_load = eligible.iter().map(load).sum::<f64>() / eligible.len() as f64;
+            for i in 0..eligible.len() {
+                if eligible[i].home_depth == 0 {
+                    continue;
+                }
+                others.clear();
+                // Pods hashing the prompt another way (block size) count blocks another way.
+                let chain = eligible[i].chain_index;
+                others.extend(
+                    (0..eligible.len())
+                        .filter(|&j| j != i && eligible[j].chain_index == chain)
+                        .map(|j| eligible[j].matched_blocks),
+                );
+                let overloaded = crate::homes::overloaded(load(&eligible[i]), mean_load);
+                let commons = crate::homes::commons(&mut others);
+                let c = &mut eligible[i];
+                c.home = if overloaded {
+                    0.0
+                } else {
+                    crate::homes::value(c.home_depth, commons, c.chain_len)
+                };
+            }
         }
         let n_eligible = eligible.len();
         // See `saturation`. Candidates come assuming nothing cached, the most blocks a prompt
@@ -370,7 +401,11 @@ impl Scheduler {
                         )
                     });
             // The prompt's home may be a little later: see `saturation` on homes.
-            let home_slack = if homes_on { best_free_prefill } else { 0.0 };
+            let home_slack = if homes_on {
+                saturation::HOME_SLACK_PREFILLS * best_free_prefill
+            } else {
+                0.0
+            };
             open.extend(busy.drain(..).filter(|c| {
                 saturation::predicted_ttft(&ctx, c) <= best_free + c.home * home_slack
             }));

@@ -152,6 +152,7 @@ impl<'s> PromptHashes<'s> {
             uncached_tokens: 0,
             new_blocks: 0,
             home: 0.0,
+            home_depth: 0,
             homes_held: 0,
             chain_index,
             prepared_index,

@@ -24,8 +24,8 @@
 //! estimate; a prefix cache is a fact).
 //!
 //! A prompt's *home* ([`crate::homes`], while the `affinity` weight is on) may start a little
-//! later than the best free pod and still compete: by up to the free pods' shortest own prefill
-//! of the prompt, scaled by how much of the prompt the home covers. Moving a prefix off its home
+//! later than the best free pod and still compete: by up to [`HOME_SLACK_PREFILLS`] of the free
+//! pods' shortest own prefill of the prompt, scaled by how much of the prompt the home covers. Moving a prefix off its home
 //! costs that prefill twice — once now, and once more for whichever prefix the copy evicts from
 //! the sibling's cache (measured on issue 16's KV-starved load, with the home score: moves of a
 //! tenant off its first pod fell from 178–228 to 32–40 of 480 requests).
@@ -41,6 +41,13 @@ use super::{Candidate, Ctx};
 /// Prefill rate assumed when no pod serving the model has measured one (tokens/s). Only the
 /// ratio between pods matters when they share it.
 pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 10_000.0;
+
+/// A busy home competes while it would start the prompt no later than the best free pod plus
+/// this many of that pod's own prefills of it, scaled by the home's value (module docs). Three:
+/// on issue 16's load (`affinity: 3`), one prefill gave hit rates 0.671–0.686 (three runs),
+/// three 0.692–0.699 (three), ten 0.692, 0.697 (two), with TTFT p90 no worse (0.88–1.33 s
+/// against 1.19–2.13 s); sglang-router's 0.726 at 6.4 s.
+pub const HOME_SLACK_PREFILLS: f64 = 3.0;
 
 /// How loaded a candidate is for this request (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -63,7 +63,7 @@ mod tests {
 
     /// Runs this very test again in a child process with `CI` set: the child skips, which must
     /// pass locally and fail under `CI=true` (the environment cannot be changed in-process here:
-    /// `set_var` is unsafe and the workspace forbids unsafe code).
+    /// `set_var` is unsafe and the workspace denies unsafe code).
     #[test]
     fn a_skip_passes_locally_and_fails_under_ci() {
         if std::env::var_os("KVSIGHT_HARNESS_SKIP_CHILD").is_some() {

@@ -387,6 +387,13 @@ impl Engine {
                 if let Some(req) = self.slots[slot].as_mut() {
                     req.num_computed_tokens = hit_tokens;
                     req.num_cached_tokens.get_or_insert(hit_tokens);
+                    // vLLM records the prefix-cache query at admission, "so unscheduled lookups
+                    // are not counted": a request retried at the head of a full queue counts
+                    // once, and a resumed (preempted) one not at all.
+                    if self.config.enable_prefix_caching && req.num_preemptions == 0 {
+                        self.stats.prefix_cache_queries += req.tokens.len() as u64;
+                        self.stats.prefix_cache_hits += hit_tokens as u64;
+                    }
                 }
                 scheduled.push((slot, n, false));
                 budget -= n;
@@ -476,9 +483,10 @@ impl Engine {
     }
 
     /// vLLM's `get_computed_blocks`: the cached prefix of a waiting request, capped so that at
-    /// least the last prompt token is recomputed (the model must produce logits for it). Records
-    /// the prefix-cache query; a request resumed after preemption is counted apart, as in vLLM
-    /// (its lookups feed vLLM's separate `preempted_*` stats, not the Prometheus counters).
+    /// least the last prompt token is recomputed (the model must produce logits for it). The
+    /// prefix-cache counters are not touched here but at admission (in `step`): a lookup
+    /// whose allocation then fails is not a query in vLLM's stats, and a request resumed after
+    /// preemption feeds vLLM's separate `preempted_*` stats, not the Prometheus counters.
     fn computed_blocks(&mut self, slot: usize) -> Vec<BlockId> {
         if !self.config.enable_prefix_caching {
             return Vec::new();
@@ -488,10 +496,6 @@ impl Engine {
         };
         let max_blocks = (req.tokens.len() - 1) / self.config.block_size;
         let hit = self.pool.longest_hit(&req.block_hashes, max_blocks);
-        if req.num_preemptions == 0 {
-            self.stats.prefix_cache_queries += req.tokens.len() as u64;
-            self.stats.prefix_cache_hits += (hit.len() * self.config.block_size) as u64;
-        }
         // vLLM's "full" KV report mode announces the reused chain here, at lookup, so a request
         // that then fails to get blocks announces it again on its next attempt.
         if req.report_reused_blocks {

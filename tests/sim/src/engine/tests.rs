@@ -120,6 +120,28 @@ fn repeated_prompt_hits_exactly_its_full_blocks() {
 }
 
 #[test]
+fn a_request_waiting_for_blocks_is_one_prefix_cache_query_counted_at_admission() {
+    // 16 usable blocks of 4 tokens: "big" holds 10 to 12 of them, so "waits" (7 blocks) stays at
+    // the head of the queue, looked up in every step, until "big" finishes.
+    let mut e = engine(base().block_size(4).num_gpu_blocks(17).max_model_len(64));
+    e.submit(Request::new("big", prompt(0, 40), 8)).expect("ok");
+    e.step();
+    e.submit(Request::new("waits", prompt(1000, 28), 1))
+        .expect("ok");
+    for _ in 0..3 {
+        e.step();
+        assert_eq!(e.stats().waiting, 1, "\"waits\" cannot get its blocks yet");
+    }
+    // Only the admitted request counts so far, as in vLLM 0.32 ("record at admission so
+    // unscheduled lookups are not counted"); counting lookups would give 40 + 3 × 28.
+    assert_eq!(e.stats().prefix_cache_queries, 40);
+    drain(&mut e);
+    let s = e.stats();
+    assert_eq!((s.num_preemptions, s.finished_length), (0, 2));
+    assert_eq!((s.prefix_cache_queries, s.prefix_cache_hits), (40 + 28, 0));
+}
+
+#[test]
 fn fully_cached_prompt_still_recomputes_its_last_token() {
     let mut e = engine(base());
     run_one(&mut e, Request::new("a", prompt(0, 32), 1));
