@@ -79,8 +79,9 @@ pub fn value(depth: usize, commons: usize, chain_len: usize) -> f64 {
 /// starts with) must spread before the commons can see it on the other pods: measured on the
 /// bench's `multi_turn` (8 pods, 96 req/s, `affinity: 3`), without it 129 of 240 requests went
 /// to one pod (TTFT p90 0.83 s); with it 22–38 per pod and TTFT p90 0.06 s, as with homes off.
-/// Three, not less: among four pods it needs one pod to carry three times the other three
-/// together (plus four), which issue 16's evenly placed tenants never reach for long.
+/// Three, not two (both fix `multi_turn`): on issue 16's load two gave hit rates 0.663 / 0.675,
+/// three 0.680 / 0.683 (two runs each; without the rule 0.692–0.699 in three). Among four pods,
+/// three means one pod carrying three times the other three together, plus four.
 pub const OVERLOAD: f64 = 3.0;
 
 /// Whether a home whose pod carries `load` is [`OVERLOAD`]ed against the pods' `mean` load.

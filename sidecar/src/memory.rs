@@ -37,8 +37,8 @@ pub fn release_free_pages() -> bool {
 }
 
 /// Calls [`release_free_pages`] every `interval` until `shutdown`; `Duration::ZERO` disables it.
-/// A trim walks every arena under its lock (tens of microseconds for a heap of the sidecar's
-/// size), so it runs on the blocking pool, never on a runtime worker.
+/// A trim walks every arena, each under its lock, and issues `madvise` calls: blocking work,
+/// so it runs on the blocking pool, never on a runtime worker.
 pub async fn trim_every(interval: Duration, shutdown: CancellationToken) {
     if interval.is_zero() {
         return;
