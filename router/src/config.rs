@@ -91,12 +91,11 @@ pub struct Weights {
     pub lmetric: f64,
     /// The prompt's home (the pod this router first sent its prefix to, kept while it keeps
     /// going there within `affinityTtlSeconds`; `crate::homes`) scores higher, and a busy home
-    /// may start the prompt a little later than a free pod and still compete: where a prefix
-    /// evicted everywhere returns, and what keeps tenants from spreading over every pod past
-    /// saturation. Default 0, off (router/README.md has what 3 was measured to do: better past
-    /// saturation on distinct tenants, worse where sessions share a system prompt). A companion of
-    /// `prefix`, so it counts only while `prefix` is above 0 (`prefix: 0` spreads a shared
-    /// prefix, as operators expect).
+    /// may start the prompt a little later than a free pod and still compete (a full one too):
+    /// where a prefix evicted everywhere returns, and what keeps tenants from spreading over
+    /// every pod past saturation. Default 3 (router/README.md has what it was measured to do);
+    /// 0 turns homes off. A companion of `prefix`, so it counts only while `prefix` is above 0
+    /// (`prefix: 0` spreads a shared prefix, as operators expect).
     pub affinity: f64,
     /// The pod picked longest ago scores higher: the tie-breaker.
     pub lru: f64,

@@ -168,7 +168,7 @@ impl Homes {
     }
 
     /// How many prefix depths `pod` is the home of (expired ones until the next prune, at
-    /// most a quarter of the TTL later): where a new prefix adds least.
+    /// most a quarter of the TTL later).
     pub fn count(&self, pod: &str) -> usize {
         self.pods.get(pod).map_or(0, |(_, n)| *n)
     }

@@ -81,6 +81,9 @@ pub struct Pod {
     /// Uncached prompt tokens of the requests routed here, smoothed: the size this router
     /// assumes for each request the pod reports waiting.
     mean_uncached_tokens: Option<f64>,
+    /// When each of this router's streamed requests here that has not had its first event yet
+    /// was sent, oldest first (see [`Pod::oldest_awaiting`]).
+    awaiting: VecDeque<Instant>,
 }
 
 /// A routed prompt's chain and when it stops counting.
@@ -229,6 +232,26 @@ impl Pod {
         self.mean_uncached_tokens
     }
 
+    /// How long the oldest of this router's streamed requests here has been waiting for its
+    /// first event at `now` (zero when none waits): what the pod's queue is really taking. The
+    /// load report's counts say how many wait, not why; a queue held up by something the counts
+    /// cannot show — running requests that hold every KV block for minutes (load that bypassed
+    /// the router), a stalled engine — shows here, whatever the reason, and ends the moment the
+    /// request gets its first token. Streamed requests only: an unstreamed answer's first byte
+    /// is its last.
+    pub fn oldest_awaiting(&self, now: Instant) -> Duration {
+        self.awaiting
+            .front()
+            .map_or(Duration::ZERO, |&at| now.saturating_duration_since(at))
+    }
+
+    /// Forgets one awaiting request sent at `sent_at`, if it is there.
+    fn stop_awaiting(&mut self, sent_at: Instant) {
+        if let Some(i) = self.awaiting.iter().position(|&at| at == sent_at) {
+            self.awaiting.remove(i);
+        }
+    }
+
     /// Forgets pending chains the pod's own events now confirm, so from then on only the real
     /// cache speaks for them: a prefix evicted (or an engine restarted) right after it was stored
     /// is not credited for the rest of the TTL. A chain is stored in order, so its last block
@@ -346,6 +369,7 @@ impl Registry {
             pending: HashMap::new(),
             pending_chains: 0,
             mean_uncached_tokens: None,
+            awaiting: VecDeque::new(),
         };
         // A replaced pod keeps this router's in-flight count: those requests are still running.
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
@@ -513,9 +537,33 @@ impl Registry {
         &self.homes
     }
 
-    /// A request sent to `key` at `sent_at` finished at `now` (whatever the outcome).
+    /// A streamed request sent to `key` at `sent_at` waits for its first event (see
+    /// [`Pod::oldest_awaiting`]) until [`Self::record_started`] or [`Self::record_done`].
+    pub fn record_awaiting(&mut self, key: &str, sent_at: Instant) {
+        if let Some(p) = self.pods.get_mut(key) {
+            // Sends are recorded in about time order: keep the deque sorted so the oldest is
+            // at the front.
+            let i = p.awaiting.partition_point(|&at| at <= sent_at);
+            p.awaiting.insert(i, sent_at);
+            // Bounded like `sent` for a pod that stopped answering.
+            while p.awaiting.len() > 4096 {
+                p.awaiting.pop_back();
+            }
+        }
+    }
+
+    /// The streamed request sent to `key` at `sent_at` got its first event.
+    pub fn record_started(&mut self, key: &str, sent_at: Instant) {
+        if let Some(p) = self.pods.get_mut(key) {
+            p.stop_awaiting(sent_at);
+        }
+    }
+
+    /// A request sent to `key` at `sent_at` finished at `now` (whatever the outcome; one still
+    /// awaiting its first event stops awaiting).
     pub fn record_done(&mut self, key: &str, sent_at: Instant, now: Instant) {
         if let Some(p) = self.pods.get_mut(key) {
+            p.stop_awaiting(sent_at);
             p.inflight = p.inflight.saturating_sub(1);
             p.finished.push_back((sent_at, now));
             // Bounded like `sent` for a pod that stopped reporting.

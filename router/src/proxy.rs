@@ -726,6 +726,9 @@ fn stream_back(
     if sse {
         // An error event may be appended, so the length is not known in advance.
         headers.remove(header::CONTENT_LENGTH);
+        // Until its first event, the request shows how long the pod's queue really takes
+        // (`Pod::oldest_awaiting`); the pump ends the wait.
+        state.registry().record_awaiting(&done.pod, done.sent_at);
     }
     if let Some(v) = decision.and_then(|d| HeaderValue::from_str(&d).ok()) {
         headers.insert(HeaderName::from_static(DECISION), v);
@@ -766,6 +769,8 @@ async fn pump(
     let mut body = upstream.bytes_stream();
     // Whether the bytes sent so far end between two SSE events.
     let mut at_boundary = true;
+    // A stream's first event is its first token: the pod's queue has let it through.
+    let mut awaiting = sse;
     let cut: Option<(&'static str, ApiError)> = loop {
         // Checked every turn too: a body that is always ready would starve the timer arm.
         if TokioInstant::now() >= deadline {
@@ -784,6 +789,10 @@ async fn pump(
             Some(Ok(chunk)) => {
                 if chunk.is_empty() {
                     continue;
+                }
+                if awaiting {
+                    awaiting = false;
+                    state.registry().record_started(&done.pod, done.sent_at);
                 }
                 at_boundary = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
                 sight.tap.feed(&chunk);

@@ -217,6 +217,38 @@ async fn sse_passes_through_chunk_by_chunk_with_request_id_and_unchanged_body() 
     assert_inflight_settles_to_zero(&st).await;
 }
 
+/// Until its first event, a streamed request waits on its pod (`Pod::oldest_awaiting`, what the
+/// scheduler reads as the pod's real queue); the first event ends the wait.
+#[tokio::test]
+async fn a_stream_waits_on_its_pod_until_its_first_event() {
+    let (st, router, tx, _seen) = router_with_streaming_pod(RouterConfig::default()).await;
+    let waited = |st: &kvsight_router::State| {
+        st.registry()
+            .get("ns/a")
+            .unwrap()
+            .oldest_awaiting(std::time::Instant::now())
+    };
+    assert_eq!(waited(&st), Duration::ZERO);
+    // The pod's headers are in, its first token not yet.
+    let mut resp = complete(&router).await;
+    assert_eq!(resp.status(), 200);
+    assert!(waited(&st) > Duration::ZERO, "the stream waits");
+    let ev = "data: {\"choices\":[{\"text\":\"t0\"}]}\n\n";
+    tx.send(Ok(Bytes::from_static(ev.as_bytes())))
+        .await
+        .unwrap();
+    // The router records the start before it forwards the event.
+    assert_eq!(next_chunk(&mut resp).await, ev.as_bytes());
+    assert_eq!(
+        waited(&st),
+        Duration::ZERO,
+        "its first event ended the wait"
+    );
+    drop(tx);
+    rest(resp).await;
+    assert_inflight_settles_to_zero(&st).await;
+}
+
 fn assert_cut(text: &str, code: u16) {
     assert!(
         !text.contains("finish_reason"),

@@ -93,8 +93,6 @@ pub struct Candidate<'a> {
     pub home: f64,
     /// The remembered depth behind `home`, in blocks (0: not this pod's home).
     home_depth: usize,
-    /// How many prefix depths this pod is the home of: where a new prefix adds least.
-    pub homes_held: usize,
     chain_index: usize,
     /// Index of the chain prepared for this pod's filter shape, when it has a filter to probe.
     prepared_index: Option<usize>,
@@ -299,7 +297,6 @@ impl Scheduler {
                         f
                     }
                 };
-                cand.homes_held = reg.homes().count(&pod.key);
                 if let Some(f) = found.filter(|f| f.pod == pod.key) {
                     cand.home_depth = f.blocks;
                 }
@@ -377,6 +374,7 @@ impl Scheduler {
             match saturation::pressure(&ctx, &c) {
                 Pressure::Free => free.push(c),
                 Pressure::Busy | Pressure::Tight => busy.push(c),
+                Pressure::Full if saturation::full_home_competes(&c) => busy.push(c),
                 Pressure::Full => full.push(c),
             }
         }
@@ -401,13 +399,9 @@ impl Scheduler {
                         )
                     });
             // The prompt's home may be a little later: see `saturation` on homes.
-            let home_slack = if homes_on {
-                saturation::HOME_SLACK_PREFILLS * best_free_prefill
-            } else {
-                0.0
-            };
             open.extend(busy.drain(..).filter(|c| {
-                saturation::predicted_ttft(&ctx, c) <= best_free + c.home * home_slack
+                saturation::predicted_ttft(&ctx, c)
+                    <= best_free + saturation::home_slack(&ctx, c, best_free_prefill)
             }));
         }
         let all_saturated = open.is_empty();
@@ -416,6 +410,14 @@ impl Scheduler {
             // and running scorers still prefer the lighter ones).
             open.append(&mut busy);
             open.append(&mut full);
+            // The rare pod whose queue stands still is left out (see `saturation`).
+            if open.len() > 1 {
+                for c in open.iter_mut() {
+                    m.resolve(c, req, now);
+                }
+                let cutoff = saturation::saturated_cutoff(&ctx, &open);
+                open.retain(|c| saturation::predicted_ttft(&ctx, c) <= cutoff);
+            }
         }
         let (winner, total, margin, scores) = {
             let used: Vec<&Weighted> = self

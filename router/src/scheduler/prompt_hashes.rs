@@ -153,7 +153,6 @@ impl<'s> PromptHashes<'s> {
             new_blocks: 0,
             home: 0.0,
             home_depth: 0,
-            homes_held: 0,
             chain_index,
             prepared_index,
             exact: !caching,

@@ -9,7 +9,8 @@
 //! - *full*: KV use, with this prompt's new blocks, over the whole cache: the prompt cannot even
 //!   be admitted without taking blocks from running requests.
 //!
-//! Full is a hard filter while any pod is not full: preemption is worse than waiting. Busy and
+//! Full is a hard filter while any pod is not full (preemption is worse than waiting), except
+//! for the prompt's home ([`full_home_competes`]), which competes as a busy pod. Busy and
 //! tight are signals, not verdicts: skipping a loaded pod that holds the prompt's prefix sends
 //! the request to a sibling that must compute the whole prompt again, and under load that trade
 //! fails — every miss adds a full prefill, queues grow, caches thrash, more requests miss (the
@@ -21,20 +22,29 @@
 //! when every pod is full, every pod): the scorers' queue, KV and running terms still prefer the
 //! lighter ones, while the prefix term keeps each prompt where its cache is. Deciding those by
 //! predicted time alone was measured to collapse just like the shortest queue (the backlog is an
-//! estimate; a prefix cache is a fact).
+//! estimate; a prefix cache is a fact); only an outlier, a pod predicted to take several times
+//! what the typical one does ([`SATURATED_OUTLIER`]), is left out.
 //!
-//! A prompt's *home* ([`crate::homes`], while the `affinity` weight is on) may start a little
-//! later than the best free pod and still compete: by up to [`HOME_SLACK_PREFILLS`] of the free
-//! pods' shortest own prefill of the prompt, scaled by how much of the prompt the home covers. Moving a prefix off its home
-//! costs that prefill twice — once now, and once more for whichever prefix the copy evicts from
-//! the sibling's cache (measured on issue 16's KV-starved load, with the home score: moves of a
-//! tenant off its first pod fell from 178–228 to 32–40 of 480 requests).
+//! A prompt's *home* ([`crate::homes`], while the `affinity` weight is on, as by default) may
+//! start a little later than the best free pod and still compete ([`home_slack`]): by up to
+//! [`HOME_SLACK_PREFILLS`] of the free pods' shortest own prefill of the prompt, scaled by how
+//! much of the prompt the home covers, and under KV pressure only while the prompt adds few
+//! blocks. Moving a prefix off its home costs that prefill at least twice — once now, and once
+//! more for whichever prefix the copy evicts from the sibling's cache (measured on issue 16's
+//! KV-starved load, with the home score: moves of a tenant off its first pod fell from 178–228
+//! to 32–40 of 480 requests; with full homes competing and ten prefills of slack, to 2–17).
 //!
 //! The backlog: the requests the pod reports waiting, each the size of the uncached prompts this
 //! router recently sent there (requests of other routers and of no router are assumed alike), plus
 //! the uncached tokens of what this router sent since that report. The rate: what the sidecar
 //! measured while the pod had a queue (the speed at which it works a queue off), else the median
-//! of its siblings', else [`DEFAULT_PREFILL_TOKENS_PER_S`].
+//! of its siblings', else [`DEFAULT_PREFILL_TOKENS_PER_S`]. The wait ahead is that backlog's time
+//! or, when longer, how long this router's oldest streamed request on the pod has waited for its
+//! first token ([`crate::pods::Pod::oldest_awaiting`]): the counts say how many wait, not why,
+//! and a queue held up by KV blocks that long generations hold (load that bypassed the router)
+//! looks short by its counts. Measured on the bench's `mixed_faults` (8 pods, 96 req/s,
+//! `affinity: 3`): without it 11–19 requests per run went to that pod and waited about 20 s; with
+//! it and the outlier cut, 3–8 (those sent before the wait showed).
 
 use super::{Candidate, Ctx};
 
@@ -43,11 +53,62 @@ use super::{Candidate, Ctx};
 pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 10_000.0;
 
 /// A busy home competes while it would start the prompt no later than the best free pod plus
-/// this many of that pod's own prefills of it, scaled by the home's value (module docs). Three:
-/// on issue 16's load (`affinity: 3`), one prefill gave hit rates 0.671–0.686 (three runs),
-/// three 0.692–0.699 (three), ten 0.692, 0.697 (two), with TTFT p90 no worse (0.88–1.33 s
-/// against 1.19–2.13 s); sglang-router's 0.726 at 6.4 s.
-pub const HOME_SLACK_PREFILLS: f64 = 3.0;
+/// this many of that pod's own prefills of it, scaled by the home's value (module docs). Ten,
+/// measured on issue 16's load (`affinity: 3`, a full home competing, the observed wait in the
+/// prediction): three gave hit rates 0.666 / 0.677, ten 0.725–0.747 (seven runs), against
+/// sglang-router's 0.726, at TTFT p90 0.84–1.18 s against its 6.4 s. The observed wait is what
+/// keeps a stuck home from drawing more than its first few requests: its oldest stream's wait
+/// passes the slack within one slack's time.
+pub const HOME_SLACK_PREFILLS: f64 = 10.0;
+
+/// When every pod is busy or full, a pod predicted to take more than this many times the
+/// median of their predicted times to first token (plus one prefill of the whole prompt) is
+/// left out: the pod whose queue stands still behind load the reports cannot explain (long
+/// generations that bypassed the router hold its KV cache) while the others move. Only the
+/// outlier: ranking saturated pods by predicted time, or cutting at the best plus three
+/// prefills, was measured to collapse into a death spiral (issue 16's load: hit rate 0.29–0.31,
+/// TTFT p90 15–20 s), because the scorers' prefix term is what keeps prompts on their caches.
+pub const SATURATED_OUTLIER: f64 = 4.0;
+
+/// Whether a full candidate still competes, as a busy one: the prompt's home. A home that
+/// holds the prompt's prefix adds only the prompt's own blocks, and the request waits there
+/// for them (vLLM admits a waiting request only when its blocks are free; it does not preempt
+/// running ones to admit it); a sibling with room must compute the whole prompt and evict some
+/// other prefix to hold it. Measured on issue 16's load (`affinity: 3`): with full homes
+/// filtered out, 0.680–0.699 hit rate; competing, 0.745–0.757 (three runs each). A home whose
+/// prefix was evicted competes too: sending the prefix back home keeps each pod's set of
+/// prefixes small (restricting it to homes still holding their prefix gave 0.694–0.697).
+pub fn full_home_competes(c: &Candidate<'_>) -> bool {
+    c.home > 0.0
+}
+
+/// Seconds a busy candidate may start the prompt after the best free pod and still compete:
+/// for the prompt's home, [`HOME_SLACK_PREFILLS`] of the free pods' shortest own prefill of it
+/// (`best_free_prefill`), scaled by the home's value; for any other pod nothing. A home under
+/// KV pressure (tight or full) gets it only while the prompt's new blocks take less than half
+/// the headroom `kvThreshold` keeps for running requests to grow: a home that holds the prefix
+/// adds a question's few blocks (issue 16's load: 18 of 1,200), while a prompt that brings many
+/// blocks of its own would push the pod into preemptions (scenario 3: 36 of 257 each).
+pub fn home_slack(ctx: &Ctx<'_>, c: &Candidate<'_>, best_free_prefill: f64) -> f64 {
+    if c.home <= 0.0 {
+        return 0.0;
+    }
+    if matches!(pressure(ctx, c), Pressure::Tight | Pressure::Full) {
+        let headroom = (1.0 - ctx.cfg.saturation.kv_threshold).max(0.0)
+            * c.pod.hello.engine.num_gpu_blocks as f64;
+        if f64::from(c.new_blocks) >= 0.5 * headroom {
+            return 0.0;
+        }
+    }
+    HOME_SLACK_PREFILLS * best_free_prefill * c.home
+}
+
+/// The cut of [`SATURATED_OUTLIER`] for these candidates (their matches resolved), in seconds.
+pub fn saturated_cutoff(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> f64 {
+    let mut t: Vec<f64> = cands.iter().map(|c| predicted_ttft(ctx, c)).collect();
+    let whole_prompt = f64::from(ctx.req.prompt_tokens) / ctx.fleet.prefill_tokens_per_s;
+    median(&mut t).map_or(f64::INFINITY, |m| SATURATED_OUTLIER * (m + whole_prompt))
+}
 
 /// How loaded a candidate is for this request (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,15 +193,17 @@ fn prefill_rate(ctx: &Ctx<'_>, c: &Candidate<'_>) -> f64 {
 }
 
 /// Predicted seconds from now to the request's first token on the candidate's pod (see the
-/// module docs): the backlog ahead of it plus its own prefill. Uses the candidate's match as it
-/// stands: exact once resolved.
+/// module docs): the wait ahead of it — the backlog at the pod's prefill rate, or as long as
+/// this router's oldest streamed request there has waited for its first token, whichever is
+/// longer — plus its own prefill. Uses the candidate's match as it stands: exact once resolved.
 pub fn predicted_ttft(ctx: &Ctx<'_>, c: &Candidate<'_>) -> f64 {
     let per_request = c
         .pod
         .mean_uncached_tokens()
         .or(ctx.fleet.uncached_per_request)
         .unwrap_or(f64::from(ctx.req.prompt_tokens));
-    c.projection.queued_prefill_tokens(per_request) / prefill_rate(ctx, c) + own_prefill_s(ctx, c)
+    let backlog = c.projection.queued_prefill_tokens(per_request) / prefill_rate(ctx, c);
+    backlog.max(c.pod.oldest_awaiting(ctx.now).as_secs_f64()) + own_prefill_s(ctx, c)
 }
 
 /// Predicted seconds of the request's own prefill on the candidate's pod (its uncached tokens).

@@ -84,7 +84,7 @@ impl ScorerKind {
             ScorerKind::LoraAffinity => 1.0,
             ScorerKind::PredictedLatency => 0.0,
             ScorerKind::Lmetric => 0.0,
-            ScorerKind::Affinity => 0.0,
+            ScorerKind::Affinity => 3.0,
             ScorerKind::Lru => 0.1,
         }
     }
