@@ -44,7 +44,7 @@
 //! and a queue held up by KV blocks that long generations hold (load that bypassed the router)
 //! looks short by its counts. Measured on the bench's `mixed_faults` (8 pods, 96 req/s,
 //! `affinity: 3`): without it 11–19 requests per run went to that pod and waited about 20 s; with
-//! it and the outlier cut, 3–8 (those sent before the wait showed).
+//! it and the outlier cut, 2–6 (those sent before the wait showed).
 
 use super::{Candidate, Ctx};
 
@@ -55,8 +55,9 @@ pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 10_000.0;
 /// A busy home competes while it would start the prompt no later than the best free pod plus
 /// this many of that pod's own prefills of it, scaled by the home's value (module docs). Ten,
 /// measured on issue 16's load (`affinity: 3`, a full home competing, the observed wait in the
-/// prediction): three gave hit rates 0.666 / 0.677, ten 0.725–0.747 (seven runs), against
-/// sglang-router's 0.726, at TTFT p90 0.84–1.18 s against its 6.4 s. The observed wait is what
+/// prediction; env-switched builds): three gave hit rates 0.666 / 0.677, ten 0.725–0.747 (seven
+/// runs), against sglang-router's 0.726, at TTFT p90 0.84–1.18 s against its 6.4 s; as
+/// committed, 0.691–0.747 side by side with it (three runs). The observed wait is what
 /// keeps a stuck home from drawing more than its first few requests: its oldest stream's wait
 /// passes the slack within one slack's time.
 pub const HOME_SLACK_PREFILLS: f64 = 10.0;
