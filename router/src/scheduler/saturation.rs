@@ -78,7 +78,8 @@ pub const SATURATED_OUTLIER: f64 = 4.0;
 /// other prefix to hold it. Measured on issue 16's load (`affinity: 3`): with full homes
 /// filtered out, 0.680–0.699 hit rate; competing, 0.745–0.757 (three runs each). A home whose
 /// prefix was evicted competes too: sending the prefix back home keeps each pod's set of
-/// prefixes small (restricting it to homes still holding their prefix gave 0.694–0.697).
+/// prefixes small (restricting it to homes still holding their prefix, measured only together
+/// with no slack for homes under KV pressure, gave 0.694–0.697).
 pub fn full_home_competes(c: &Candidate<'_>) -> bool {
     c.home > 0.0
 }
