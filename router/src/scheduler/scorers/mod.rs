@@ -1,7 +1,7 @@
 //! Scorers: each gives every candidate a value in 0 – 1 (higher is better); the scheduler sums
 //! them with the configured weights. Counts of requests (queue, running) are taken as a share of
-//! the busiest candidate's ([`lighter_share`]); latency-like signals are min-max normalised
-//! across the candidates ([`lower_is_better`]); absolute signals (prefix fraction, KV headroom)
+//! the busiest candidate's (`lighter_share`); latency-like signals are min-max normalised
+//! across the candidates (`lower_is_better`); absolute signals (prefix fraction, KV headroom)
 //! are used as they are. Equal pods score equally either way.
 
 mod affinity;
