@@ -912,11 +912,13 @@ fn a_prefix_sent_elsewhere_for_load_keeps_its_first_home() {
     let moved = pick_excluding(&mut c, &s, &p, &["pod-0", "pod-2"]).pod;
     assert_eq!(moved, "ns/pod-1");
     // Past the pending TTL nothing speaks for the prefix; pod-1 (where it went last) is the
-    // lightest, pod-0 and pod-2 equally loaded.
+    // lightest, pod-0 and pod-2 equally loaded by counts. pod-2's free KV pool (50 blocks) cannot
+    // take the prompt's 75 without evicting: the caches are starved, and homes count in full
+    // (`homes::eviction_share`).
     c.now += Duration::from_secs(3);
     c.report(0, load(8, 2, 0.5));
     c.report(1, load(6, 2, 0.5));
-    c.report(2, load(8, 2, 0.5));
+    c.report(2, load(8, 2, 0.95));
     let d = {
         let req = req(&p);
         s.pick(&mut c.reg, &req, c.now).unwrap()
@@ -930,7 +932,9 @@ fn a_prefix_sent_elsewhere_for_load_keeps_its_first_home() {
 /// A busy home may start a prompt a little later than a free sibling and still compete: by up
 /// to ten of the sibling's own prefills of it (`HOME_SLACK_PREFILLS`; a move pays the prefill
 /// now and again for what the copy evicts). A longer queue is still skipped, and with `affinity`
-/// off the free sibling always wins.
+/// off the free sibling always wins. Where every sibling's free KV pool holds the prompt many
+/// times over, the copy evicts nothing anyone is likely to ask for again: the home's claim
+/// shrinks to the share of that pool the copy takes, and the free sibling wins.
 #[test]
 fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
     let p = prompt(7, 2000); // 125 blocks
@@ -938,7 +942,7 @@ fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
     // Routes `p` to pod-0 once, then short prompts there until the size pod-0 assumes for each
     // waiting request (the smoothed uncached tokens routed there) is about 700 tokens; past the
     // pending TTL every pod runs 6 requests (of 8 slots) and pod-0 has `waiting` more.
-    let setup = |s: &Scheduler, waiting: u32| {
+    let setup = |s: &Scheduler, waiting: u32, starved: bool| {
         let mut c = Cluster::new(3, true);
         pick_excluding(&mut c, s, &p, &["pod-1", "pod-2"]);
         for q in &short {
@@ -950,6 +954,11 @@ fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
             c.report(i, load(6, 0, 0.3));
         }
         c.report(0, load(6, waiting, 0.3));
+        if starved {
+            // pod-2's cache is nearly all held by running requests: it cannot take the prompt
+            // (full, left out), and a move there would evict. pod-1 has room.
+            c.report(2, load(6, 0, 0.95));
+        }
         c
     };
     let pick = |c: &mut Cluster, s: &Scheduler| {
@@ -960,16 +969,22 @@ fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
     // slack of ten prefills (20,000): the home competes, and its home score outweighs its longer
     // queue.
     let s = with_affinity(3.0);
-    let d = pick(&mut setup(&s, 4), &s);
+    let d = pick(&mut setup(&s, 4, true), &s);
     assert_eq!(d.pod, "ns/pod-0", "{d:?}");
-    assert!(!d.all_saturated && d.saturation_skipped == 0, "{d:?}");
-    // Forty waiting (~28,000 tokens ahead): more than the slack; skipped.
-    let d = pick(&mut setup(&s, 40), &s);
+    assert!(!d.all_saturated && d.saturation_skipped == 1, "{d:?}");
+    let home_score = d.scores.iter().find(|(k, _)| *k == "affinity").unwrap().1;
+    assert_eq!(home_score, 1.0, "{d:?}");
+    // Forty waiting (~28,000 tokens ahead): more than the slack; skipped (with the full pod-2).
+    let d = pick(&mut setup(&s, 40, true), &s);
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
-    assert_eq!(d.saturation_skipped, 1, "{d:?}");
+    assert_eq!(d.saturation_skipped, 2, "{d:?}");
+    // Both siblings with 700 free blocks for the prompt's 125: a claim of 0.18, and pod-1 or
+    // pod-2 starts it sooner.
+    let d = pick(&mut setup(&s, 4, false), &s);
+    assert_ne!(d.pod, "ns/pod-0", "{d:?}");
     // `affinity` off: no slack, the free sibling starts it sooner.
     let s = with_affinity(0.0);
-    let d = pick(&mut setup(&s, 1), &s);
+    let d = pick(&mut setup(&s, 1, true), &s);
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
 }
 
@@ -1047,6 +1062,9 @@ fn a_prefix_most_pods_hold_is_nobodys_home() {
     let t = prompt(70, 1100);
     pick_excluding(&mut c, &s, &t, &["pod-1", "pod-2", "pod-3"]);
     pick_excluding(&mut c, &s, &t, &["pod-0", "pod-2", "pod-3"]);
+    // Starved caches: pod-2's and pod-3's free pools (50 blocks) cannot take the prompt's 68.
+    c.report(2, load(0, 0, 0.95));
+    c.report(3, load(0, 0, 0.95));
     let d = s.pick(&mut c.reg, &req(&t), c.now).unwrap();
     assert_eq!(
         d.pod, "ns/pod-0",
@@ -1071,6 +1089,8 @@ fn a_home_carrying_most_of_the_load_claims_nothing() {
         for i in 1..4 {
             c.report(i, load(others, 0, 0.1));
         }
+        // Starved caches (homes count in full): pod-3's KV is nearly all in use.
+        c.report(3, load(others, 0, 0.95));
         c
     };
     let pick = |c: &mut Cluster| {

@@ -342,11 +342,24 @@ impl Scheduler {
                 );
                 let overloaded = crate::homes::overloaded(load(&eligible[i]), mean_load);
                 let commons = crate::homes::commons(&mut others);
+                // What a move would evict: see `homes::eviction_share`.
+                let evicts = (0..eligible.len())
+                    .filter(|&j| j != i)
+                    .map(|j| {
+                        let o = &eligible[j];
+                        crate::homes::eviction_share(
+                            o.new_blocks,
+                            o.projection.kv_usage,
+                            o.pod.hello.engine.num_gpu_blocks,
+                        )
+                    })
+                    .reduce(f64::max)
+                    .unwrap_or(1.0);
                 let c = &mut eligible[i];
                 c.home = if overloaded {
                     0.0
                 } else {
-                    crate::homes::value(c.home_depth, commons, c.chain_len)
+                    evicts * crate::homes::value(c.home_depth, commons, c.chain_len)
                 };
             }
         }

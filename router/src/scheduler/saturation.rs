@@ -33,6 +33,9 @@
 //! more for whichever prefix the copy evicts from the sibling's cache (measured on issue 16's
 //! KV-starved load, with the home score: moves of a tenant off its first pod fell from 178–228
 //! to 32–40 of 480 requests; with full homes competing and ten prefills of slack, to 2–17).
+//! The home's value already carries what a move would evict ([`crate::homes::eviction_share`]):
+//! where every sibling's free KV pool holds the prompt many times over, the slack all but
+//! vanishes, since a copy there evicts nothing anyone is likely to ask for again.
 //!
 //! The backlog: the requests the pod reports waiting, each the size of the uncached prompts this
 //! router recently sent there (requests of other routers and of no router are assumed alike), plus
