@@ -114,7 +114,7 @@ pub fn commons(others: &mut [usize]) -> usize {
 /// then evicts only the oldest of many cached blocks, and keeping the prompt on a loaded home
 /// costs its time to first token for nothing. Measured on the bench's `multi_turn` (8 pods of
 /// 2,644 blocks, 96 req/s, the winner's KV about 0.14 in use): TTFT p90 0.068–0.075 s with full
-/// claims, 0.050–0.051 s scaled (homes off: 0.050 s); issue 16's load level (hit rate 0.66 /
+/// claims, 0.049–0.053 s scaled (homes off: 0.050 s); issue 16's load level (hit rate 0.66 /
 /// 0.71 / 0.67 / 0.72 against 0.70 / 0.72 / 0.67 / 0.68 unscaled, interleaved runs). The largest
 /// share, not the smallest: one roomy sibling is not a fleet with room (scaling by the smallest
 /// gave issue 16's load 0.68 / 0.64).
