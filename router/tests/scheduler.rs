@@ -930,7 +930,7 @@ fn a_prefix_sent_elsewhere_for_load_keeps_its_first_home() {
 }
 
 /// A busy home may start a prompt a little later than a free sibling and still compete: by up
-/// to ten of the sibling's own prefills of it (`HOME_SLACK_PREFILLS`; a move pays the prefill
+/// to twenty of the sibling's own prefills of it (`HOME_SLACK_PREFILLS`; a move pays the prefill
 /// now and again for what the copy evicts). A longer queue is still skipped, and with `affinity`
 /// off the free sibling always wins. Where every sibling's free KV pool holds the prompt many
 /// times over, the copy evicts nothing anyone is likely to ask for again: the home's claim
@@ -966,7 +966,7 @@ fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
         s.pick(&mut c.reg, &req, c.now).unwrap()
     };
     // Four waiting requests of ~700 tokens ahead plus 2000 against 2000 on a free sibling, and a
-    // slack of ten prefills (20,000): the home competes, and its home score outweighs its longer
+    // slack of twenty prefills (40,000): the home competes, and its home score outweighs its longer
     // queue.
     let s = with_affinity(3.0);
     let d = pick(&mut setup(&s, 4, true), &s);
@@ -974,8 +974,8 @@ fn a_busy_home_competes_while_its_queue_is_shorter_than_a_prefill_elsewhere() {
     assert!(!d.all_saturated && d.saturation_skipped == 1, "{d:?}");
     let home_score = d.scores.iter().find(|(k, _)| *k == "affinity").unwrap().1;
     assert_eq!(home_score, 1.0, "{d:?}");
-    // Forty waiting (~28,000 tokens ahead): more than the slack; skipped (with the full pod-2).
-    let d = pick(&mut setup(&s, 40, true), &s);
+    // Eighty waiting (~56,000 tokens ahead): more than the slack; skipped (with the full pod-2).
+    let d = pick(&mut setup(&s, 80, true), &s);
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
     assert_eq!(d.saturation_skipped, 2, "{d:?}");
     // Both siblings with 700 free blocks for the prompt's 125: a claim of 0.18, and pod-1 or
