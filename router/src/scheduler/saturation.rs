@@ -59,15 +59,17 @@ pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 10_000.0;
 /// this many of that pod's own prefills of it, scaled by the home's value (module docs). Twenty,
 /// measured on issue 16's load (`affinity: 3`, a full home competing, the observed wait in the
 /// prediction; env-switched builds): three gave hit rates 0.666 / 0.677; ten 0.725–0.747 in the
-/// seventh session (seven runs) but 0.68 / 0.69 / 0.70 in the ninth; twenty 0.74 / 0.73 / 0.74 /
-/// 0.72 on that day, forty 0.75 / 0.72, a hundred 0.74, against sglang-router's 0.73. What
-/// twenty buys, read from the router's decisions: a busy home's predicted wait is mostly its
-/// oldest stream's observed wait (1–2 s on that load), ten prefills of a 0.1 s prompt did not
-/// cover it, and moves of a tenant onto a pod it had never been sent to fell from 22 to about
-/// 10 per run. TTFT p90 stayed at 1.0–1.4 s (sglang-router's: 6.4 s); on the bench's
-/// `multi_turn`, `agentic` and `mixed_faults` at 96 req/s twenty is level with ten (two runs
-/// each). The observed wait is what keeps a stuck home from drawing more than its first few
-/// requests: its oldest stream's wait passes the slack within one slack's time.
+/// seventh session (seven runs) but 0.68 / 0.70 in the ninth; twenty 0.74 / 0.73 / 0.74 / 0.72
+/// on that day and, as committed, 0.73 / 0.69 side by side with sglang-router's 0.73 / 0.73;
+/// forty 0.75 / 0.72; a hundred 0.74. What twenty buys, read from the router's decisions: a
+/// busy home's predicted wait is mostly its oldest stream's observed wait (1–2 s on that load),
+/// ten prefills of a 0.1 s prompt did not cover it, and moves of a tenant onto a pod it had
+/// never been sent to fell from 22 to about 10 per run. TTFT p90 0.89–1.95 s (ten: 1.21 /
+/// 1.41 s; sglang-router's: 6.45 s); on the bench's `multi_turn`, `agentic` and `mixed_faults`
+/// at 96 req/s twenty is level with ten (two interleaved runs each). Simulator only: the real
+/// vLLM on CPU is too slow for this load. The observed wait is what keeps a stuck home from
+/// drawing more than its first few requests: its oldest stream's wait passes the slack within
+/// one slack's time.
 pub const HOME_SLACK_PREFILLS: f64 = 20.0;
 
 /// When every pod is busy or full, a pod predicted to take more than this many times the
