@@ -93,6 +93,12 @@ pub struct Candidate<'a> {
     pub home: f64,
     /// The remembered depth behind `home`, in blocks (0: not this pod's home).
     home_depth: usize,
+    /// For a new prefix (no home anywhere, no pod caching a quarter of it), the share of this
+    /// pod's KV cache that the prefixes it is home to and likely to be asked for again take
+    /// ([`crate::homes::Homes::working_set`] over `num_gpu_blocks`), when the pod would start
+    /// the prompt within a home's slack of the soonest ([`saturation::room_cutoff`]); else
+    /// `None`. Read by the `affinity` scorer.
+    pub room: Option<f64>,
     chain_index: usize,
     /// Index of the chain prepared for this pod's filter shape, when it has a filter to probe.
     prepared_index: Option<usize>,
@@ -359,7 +365,7 @@ impl Scheduler {
                 c.home = if overloaded {
                     0.0
                 } else {
-                    evicts * crate::homes::value(c.home_depth, commons, c.chain_len)
+                    crate::homes::claim(c.home_depth, commons, c.chain_len, evicts)
                 };
             }
         }
@@ -430,6 +436,24 @@ impl Scheduler {
                 }
                 let cutoff = saturation::saturated_cutoff(&ctx, &open);
                 open.retain(|c| saturation::predicted_ttft(&ctx, c) <= cutoff);
+            }
+        }
+        // A new prefix is placed where it will have room to stay: see `scorers::affinity`.
+        let new_prefix = homes_on
+            && open.len() > 1
+            && !home_of.iter().any(|(_, f)| f.is_some())
+            && open.iter().all(|c| c.chain_len > 0);
+        if new_prefix {
+            for c in open.iter_mut() {
+                m.resolve(c, req, now);
+            }
+            if open.iter().all(|c| c.matched_blocks * 4 < c.chain_len) {
+                let cut = saturation::room_cutoff(&ctx, &open);
+                for c in open.iter_mut() {
+                    let blocks = c.pod.hello.engine.num_gpu_blocks.max(1) as f64;
+                    c.room = (saturation::predicted_ttft(&ctx, c) <= cut)
+                        .then(|| reg.homes().working_set(&c.pod.key) as f64 / blocks);
+                }
             }
         }
         let (winner, total, margin, scores) = {

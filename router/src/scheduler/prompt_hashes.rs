@@ -153,6 +153,7 @@ impl<'s> PromptHashes<'s> {
             new_blocks: 0,
             home: 0.0,
             home_depth: 0,
+            room: None,
             chain_index,
             prepared_index,
             exact: !caching,

@@ -115,6 +115,22 @@ pub fn home_slack(ctx: &Ctx<'_>, c: &Candidate<'_>, best_free_prefill: f64) -> f
     HOME_SLACK_PREFILLS * best_free_prefill * c.home
 }
 
+/// The latest predicted time to first token at which a pod still competes for a new prefix's
+/// room (`scorers::affinity`): the soonest candidate's plus [`HOME_SLACK_PREFILLS`] of the
+/// shortest own prefill of the prompt — the slack the prefix's home will get once it has one.
+/// Later pods get no room score: a pod whose queue stands still behind load the router cannot
+/// explain serves fewer of its homes, so it looks roomiest, and homing more prefixes there
+/// strands them (measured on the bench's `mixed_faults`: TTFT p99 ~10 s in three of three runs
+/// without the cut, against ~2 s).
+pub fn room_cutoff(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> f64 {
+    let (best, prefill) = cands
+        .iter()
+        .fold((f64::INFINITY, f64::INFINITY), |(t, p), c| {
+            (t.min(predicted_ttft(ctx, c)), p.min(own_prefill_s(ctx, c)))
+        });
+    best + HOME_SLACK_PREFILLS * prefill
+}
+
 /// The cut of [`SATURATED_OUTLIER`] for these candidates (their matches resolved), in seconds.
 pub fn saturated_cutoff(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> f64 {
     let mut t: Vec<f64> = cands.iter().map(|c| predicted_ttft(ctx, c)).collect();

@@ -13,17 +13,36 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// cache only, and with the default weights a pod that really holds the prefix outscores a home
 /// that lost it only together with lighter load.
 ///
-/// A prompt without a home is placed by the other scorers alone. Placing it where the fewest
-/// prefixes live, as a half-weight tie-breaker, evened out issue 16's 24 equal tenants but
+/// A *new* prefix — no home anywhere, no pod caching a quarter of it — is placed where it will
+/// have room to stay: each pod that would start it within a home's slack of the soonest
+/// (`saturation::room_cutoff`) scores the share of its cache its working set leaves
+/// (`1 - share / max`, the heaviest share or [`ROOM_FLOOR`], whichever is more); the others 0.
+/// A working set ([`crate::homes::Homes::working_set`]) is the blocks of the prefixes a pod is
+/// home to that were sent there again, or in the last ten seconds: what the new prefix will
+/// compete with for the pod's cache. Placed by load, issue 16's 24 equal tenants landed 5 / 5 /
+/// 7 / 7 on four pods nearly every run, and the pods holding seven found 0.66–0.70 of their
+/// prompts cached against 0.74–0.81; with the working set they land 6 / 6 / 6 / 6 or 5 / 6 /
+/// 6 / 7, moves off a first pod fell from 20–32 to 8–25 per run, and the hit rate rose from
+/// 0.69 / 0.74 / 0.73 to 0.74 / 0.75 / 0.76 (interleaved runs; more in the README).
+///
+/// Earlier rules, measured and dropped: the fewest prefixes homed (a half-weight tie-breaker)
 /// counted the bench's `agentic` tool prompts of 3k and 30k tokens alike and stacked the long
-/// ones (TTFT p90 0.55–0.57 s against 0.48 s without it); issue 16's load measured 0.740 / 0.763
-/// without it against 0.734–0.746 with it. Weighing by the blocks homed instead fixed `agentic`
-/// (0.37–0.45 s) and kept `multi_turn`'s new sessions apart (TTFT p90 0.053–0.065 s against
-/// 0.071–0.073 s without any rule, 0.050–0.054 s with homes off), but a pod's homed blocks grow
-/// with every request's own deepest depths — served traffic, not prefixes — and the
-/// saturation scenario (`scenarios_saturation`) then lost to the shortest queue (TTFT p90
-/// 0.92–1.15 s against 0.75–0.98 s; 0.62–0.64 s without the rule), even at a share of 0.15.
+/// ones (TTFT p90 0.55–0.57 s against 0.48 s); the fewest blocks homed counted every request's
+/// own deepest depths — served traffic, not prefixes — and the saturation scenario
+/// (`scenarios_saturation`) then lost to the shortest queue. The working set counts a prompt
+/// sent once only for ten seconds, and blocks, not prompts: `agentic` at 96 req/s went from
+/// TTFT p90 0.63 s to 0.37–0.44 s. Without the slack cut, `mixed_faults`' stuck pod (its queue
+/// held by load that bypassed the router, so it serves few of its homes) looked roomiest and
+/// took new tenants, TTFT p99 ~10 s in three of three runs.
 pub struct Affinity;
+
+/// Working sets under this share of a cache count as that share against each other: the pods
+/// all have room, and the other scorers (load) decide. A quarter: a pod running six requests
+/// beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
+/// because its sibling already homes a few blocks, while on issue 16's load one tenant (128 of
+/// 1,200 blocks) must already weigh on the next tenant's placement — the first 24 arrive within
+/// a few seconds. Measured there: 0.70 / 0.74 / 0.74 with it, 0.71 / 0.75 / 0.73 with none.
+pub(crate) const ROOM_FLOOR: f64 = 0.25;
 
 impl Scorer for Affinity {
     fn match_use(&self) -> MatchUse {
@@ -31,6 +50,20 @@ impl Scorer for Affinity {
     }
 
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
+        if cands.iter().any(|c| c.room.is_some()) {
+            // A new prefix: the lighter working sets among the pods that compete for it,
+            // against the heaviest or a quarter of a cache, whichever is more.
+            let max = cands
+                .iter()
+                .filter_map(|c| c.room)
+                .fold(ROOM_FLOOR, f64::max);
+            for (o, c) in out.iter_mut().zip(cands) {
+                *o = c
+                    .room
+                    .map_or(0.0, |share| (1.0 - share / max).clamp(0.0, 1.0));
+            }
+            return;
+        }
         for (o, c) in out.iter_mut().zip(cands) {
             *o = c.home;
         }
