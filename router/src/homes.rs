@@ -38,8 +38,8 @@ pub const MAX_HOMES: usize = 262_144;
 pub const FRESH: Duration = Duration::from_secs(10);
 
 /// One remembered depth: the pod that owns it, when this router last sent it there, when it
-/// became that pod's, the blocks it adds beyond the depth below it, and whether its pod was
-/// sent it again since.
+/// became that pod's, the blocks it adds beyond the depth below it, and whether it was sent
+/// again (to any pod) since.
 #[derive(Debug, Clone)]
 struct Home {
     pod: Arc<str>,
@@ -294,8 +294,9 @@ impl Homes {
     }
 
     /// The blocks of the prefixes `pod` is home to that it will likely be asked for again:
-    /// those this router sent there more than once (while homed), and those it sent there in
-    /// the last [`FRESH`] (as of the last [`Self::record`]). What a new prefix placed there
+    /// those this router was sent again while homed there (to any pod: one sent elsewhere for
+    /// load is still asked for), and those it sent there in the last [`FRESH`] (as of the last
+    /// [`Self::record`]). What a new prefix placed there
     /// competes with for the pod's cache (see `scorers::affinity`).
     pub fn working_set(&self, pod: &str) -> u64 {
         self.pods.get(pod).map_or(0, |e| e.working_set)

@@ -409,14 +409,7 @@ impl Scheduler {
             for c in open.iter_mut() {
                 m.resolve(c, req, now);
             }
-            let (best_free, best_free_prefill) =
-                open.iter()
-                    .fold((f64::INFINITY, f64::INFINITY), |(t, p), c| {
-                        (
-                            t.min(saturation::predicted_ttft(&ctx, c)),
-                            p.min(saturation::own_prefill_s(&ctx, c)),
-                        )
-                    });
+            let (best_free, best_free_prefill) = saturation::soonest(&ctx, &open);
             // The prompt's home may be a little later: see `saturation` on homes.
             open.extend(busy.drain(..).filter(|c| {
                 saturation::predicted_ttft(&ctx, c)

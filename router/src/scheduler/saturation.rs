@@ -123,12 +123,18 @@ pub fn home_slack(ctx: &Ctx<'_>, c: &Candidate<'_>, best_free_prefill: f64) -> f
 /// strands them (measured on the bench's `mixed_faults`: TTFT p99 ~10 s in three of three runs
 /// without the cut, against ~2 s).
 pub fn room_cutoff(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> f64 {
-    let (best, prefill) = cands
+    let (best, prefill) = soonest(ctx, cands);
+    best + HOME_SLACK_PREFILLS * prefill
+}
+
+/// The candidates' (matches resolved) smallest predicted time to first token and smallest own
+/// prefill of the prompt, in seconds: what a home's slack is measured from.
+pub fn soonest(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> (f64, f64) {
+    cands
         .iter()
         .fold((f64::INFINITY, f64::INFINITY), |(t, p), c| {
             (t.min(predicted_ttft(ctx, c)), p.min(own_prefill_s(ctx, c)))
-        });
-    best + HOME_SLACK_PREFILLS * prefill
+        })
 }
 
 /// The cut of [`SATURATED_OUTLIER`] for these candidates (their matches resolved), in seconds.

@@ -18,7 +18,8 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// (`saturation::room_cutoff`) scores the share of its cache its working set leaves
 /// (`1 - share / max`, the heaviest share or [`ROOM_FLOOR`], whichever is more); the others 0.
 /// A working set ([`crate::homes::Homes::working_set`]) is the blocks of the prefixes a pod is
-/// home to that were sent there again, or in the last ten seconds: what the new prefix will
+/// home to that were asked for again (sent to any pod), or sent in the last ten seconds: what
+/// the new prefix will
 /// compete with for the pod's cache. Placed by load, issue 16's 24 equal tenants landed 5 / 5 /
 /// 7 / 7 on four pods nearly every run, and the pods holding seven found 0.66–0.70 of their
 /// prompts cached against 0.74–0.81; with the working set they land 6 / 6 / 6 / 6 or 5 / 6 /
