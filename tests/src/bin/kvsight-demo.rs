@@ -65,6 +65,10 @@ async fn main() {
         print!("{}", report.to_table());
     }
     if args.serve {
+        // Installed before the cluster is announced: a Ctrl-C that comes before its handler
+        // would kill the process without stopping the cluster (the test sends one as soon as
+        // the router answers).
+        let interrupted = kvsight_transport::signal::termination();
         println!("router: {}", cluster.routers[0].url());
         for pod in &cluster.pods {
             println!(
@@ -82,7 +86,7 @@ async fn main() {
             demo::MODEL
         );
         println!("Ctrl-C stops the cluster.");
-        let _ = tokio::signal::ctrl_c().await;
+        interrupted.await;
     }
     let ok = report.ok();
     cluster.shutdown().await;
