@@ -237,21 +237,13 @@ impl Homes {
                 reused: false,
             };
             let previous = match self.map.get_mut(&chain[d]) {
-                Some(home) if home.pod == pod => {
-                    home.at = now;
-                    if !home.reused {
-                        // Sent again: it counts from now on (already counted while fresh).
-                        if !home.counted(now) {
-                            grown += u64::from(home.span);
-                        }
-                        home.reused = true;
+                // Sent again, home or elsewhere for load (it is still asked for: a home whose
+                // tenants moved for load must not look roomy and draw more). Counted from now
+                // on, if it was not while fresh.
+                Some(home) if home.pod == pod || now.saturating_duration_since(home.at) <= ttl => {
+                    if home.pod == pod {
+                        home.at = now;
                     }
-                    continue;
-                }
-                Some(home) if now.saturating_duration_since(home.at) <= ttl => {
-                    // Sent elsewhere for load, it is still asked for again: it stays in its
-                    // home's working set (else a home whose tenants moved for load looks
-                    // roomy, and draws more).
                     if !home.reused {
                         if !home.counted(now)
                             && let Some(e) = self.pods.get_mut(&*home.pod)
@@ -376,14 +368,6 @@ impl Homes {
                     e.working_set += u64::from(h.span);
                 }
             }
-        }
-        // Fresh entries whose home is gone would only be skipped when they age out.
-        let map = &self.map;
-        for e in self.pods.values_mut() {
-            e.fresh.retain(|(t, key)| {
-                map.get(key)
-                    .is_some_and(|h| h.pod == e.key && h.since == *t)
-            });
         }
     }
 }

@@ -120,8 +120,7 @@ pub fn home_slack(ctx: &Ctx<'_>, c: &Candidate<'_>, best_free_prefill: f64) -> f
 /// shortest own prefill of the prompt — the slack the prefix's home will get once it has one.
 /// Later pods get no room score: a pod whose queue stands still behind load the router cannot
 /// explain serves fewer of its homes, so it looks roomiest, and homing more prefixes there
-/// strands them (measured on the bench's `mixed_faults`: TTFT p99 ~10 s in three of three runs
-/// without the cut, against ~2 s).
+/// strands them (the bench's `mixed_faults`: see `scorers::affinity` for what was measured).
 pub fn room_cutoff(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> f64 {
     let (best, prefill) = soonest(ctx, cands);
     best + HOME_SLACK_PREFILLS * prefill
