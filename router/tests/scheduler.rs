@@ -1043,6 +1043,44 @@ fn a_new_prefix_goes_where_the_lightest_working_set_lives() {
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
 }
 
+/// Room is a difference between working sets, not a ratio: one prefix more on a pod weighs the
+/// same whether its sibling homes none or two, so the last tenants of a full fleet are still
+/// spread by working set and not by a moment's load. Scored as a share of the heaviest, the
+/// 3-against-2 gap was worth two thirds of the 1-against-0 gap (issue 16's run at 0.68 placed
+/// its 24 tenants 7 / 5 / 6 / 6 that way).
+#[test]
+fn one_prefix_more_weighs_the_same_at_every_depth() {
+    // `lru` off: every pick here happens at one instant, so which pod it deems picked longest
+    // ago is not the point.
+    let mut cfg = SchedulerConfig::default();
+    cfg.weights.lru = 0.0;
+    let s = Scheduler::new(&cfg);
+    // pod-0 homes `k + 1` prompts of 128 blocks, pod-1 `k`; the margin of pod-1 (the lighter)
+    // over pod-0 for a new prompt.
+    let margin = |k: u32| {
+        let mut c = Cluster::new(2, true);
+        for i in 0..k {
+            pick_excluding(&mut c, &s, &prompt(10 + i, 2048), &["pod-0"]);
+        }
+        for i in 0..=k {
+            pick_excluding(&mut c, &s, &prompt(20 + i, 2048), &["pod-1"]);
+        }
+        c.settle();
+        let blocks = |pod: &str| c.reg.homes().working_set(pod);
+        assert_eq!(blocks("ns/pod-0"), 128 * u64::from(k + 1));
+        assert_eq!(blocks("ns/pod-1"), 128 * u64::from(k));
+        let p = prompt(30, 2048);
+        let d = s.pick(&mut c.reg, &req(&p), c.now).unwrap();
+        assert_eq!(d.pod, "ns/pod-1", "the lighter working set: {d:?}");
+        d.margin
+    };
+    let (first, deeper) = (margin(0), margin(2));
+    // 0.128 of a cache apart against a quarter: 3 × 0.512 either way (the ratio form gave
+    // 3 × 0.512, then 3 × 0.333).
+    assert!((first - 3.0 * 0.512).abs() < 1e-6, "{first}");
+    assert!((deeper - first).abs() < 1e-6, "{first} then {deeper}");
+}
+
 /// A pod whose queue stands still (this router's oldest stream there has waited long for its
 /// first token) serves fewer of its homes, so its working set looks lightest: a new prefix is
 /// not homed there while it would start the prompt later than the soonest pod plus a home's

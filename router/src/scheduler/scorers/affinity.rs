@@ -15,15 +15,24 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 ///
 /// A *new* prefix — no home anywhere, no pod caching a quarter of it — is placed where it will
 /// have room to stay: each pod that would start it within a home's slack of the soonest
-/// (`saturation::room_cutoff`) scores the share of its cache its working set leaves
-/// (`1 - share / max`, the heaviest share or [`ROOM_FLOOR`], whichever is more); the others 0.
-/// A working set ([`crate::homes::Homes::working_set`]) is the blocks of the prefixes a pod is
-/// home to that were asked for again (sent to any pod), or sent in the last ten seconds: what
-/// the new prefix will compete with for the pod's cache. Placed by load, issue 16's 24 equal tenants landed 5 / 5 /
-/// 7 / 7 on four pods nearly every run, and the pods holding seven found 0.66–0.70 of their
-/// prompts cached against 0.74–0.81; with the working set they land 6 / 6 / 6 / 6 or 5 / 6 /
-/// 6 / 7, moves off a first pod fell from 20–32 to 8–25 per run, and the hit rate rose from
-/// 0.69 / 0.74 / 0.73 to 0.74 / 0.75 / 0.76 (interleaved runs; more in the README).
+/// (`saturation::room_cutoff`) scores by how close its working set is to the lightest
+/// (`1 - (share - lightest) / span`, the span from the lightest share to the heaviest or
+/// [`ROOM_FLOOR`], whichever is more); the others 0. A working set
+/// ([`crate::homes::Homes::working_set`]) is the blocks of the prefixes a pod is home to that
+/// were asked for again (sent to any pod), or sent in the last ten seconds: what the new prefix
+/// will compete with for the pod's cache. Placed by load, issue 16's 24 equal tenants landed
+/// 5 / 5 / 7 / 7 on four pods nearly every run, and the pods holding seven found 0.66–0.70 of
+/// their prompts cached against 0.74–0.81; with the working set they land 6 / 6 / 6 / 6 or
+/// 5 / 6 / 6 / 7, moves off a first pod fell from 20–32 to 8–25 per run, and the hit rate rose
+/// from 0.69 / 0.74 / 0.73 to 0.74 / 0.75 / 0.76 (interleaved runs; more in the README).
+///
+/// A difference, not a ratio: one tenant more weighs as much when every pod homes five as when
+/// they home one. Scored as `1 - share / heaviest` (the tenth session's form), a one-tenant gap
+/// between pods homing five and six tenants was worth 0.17 of the weight, less than a few
+/// running requests: issue 16's last tenants went by load, and a run that placed them 7 / 5 /
+/// 6 / 6 fell to 0.68, its seven-tenant pod two seconds behind its siblings. As a difference
+/// the gap is worth 0.43 at every depth. Measured interleaved there (eleventh session): 0.745 /
+/// 0.730 / 0.743 against 0.728 / 0.727 / 0.724 for the ratio.
 ///
 /// Earlier rules, measured and dropped: the fewest prefixes homed (a half-weight tie-breaker)
 /// counted the bench's `agentic` tool prompts of 3k and 30k tokens alike and stacked the long
@@ -39,12 +48,14 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// not to steady that tail.
 pub struct Affinity;
 
-/// Working sets under this share of a cache count as that share against each other: the pods
-/// all have room, and the other scorers (load) decide. A quarter: a pod running six requests
+/// Working sets closer than this share of a cache count as that far apart at most: one share
+/// above another scores `1 - gap / ROOM_FLOOR`, so small gaps leave the choice to the other
+/// scorers (load). A quarter: a pod running six requests
 /// beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
 /// because its sibling already homes a few blocks, while on issue 16's load one tenant (128 of
 /// 1,200 blocks) must already weigh on the next tenant's placement — the first 24 arrive within
-/// a few seconds. Measured there: 0.70 / 0.74 / 0.74 with it, 0.71 / 0.75 / 0.73 with none.
+/// a few seconds. Measured there with the ratio form (a floor under the heaviest share): 0.70 /
+/// 0.74 / 0.74 with it, 0.71 / 0.75 / 0.73 with none.
 pub(crate) const ROOM_FLOOR: f64 = 0.25;
 
 impl Scorer for Affinity {
@@ -54,16 +65,20 @@ impl Scorer for Affinity {
 
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
         if cands.iter().any(|c| c.room.is_some()) {
-            // A new prefix: the lighter working sets among the pods that compete for it,
-            // against the heaviest or a quarter of a cache, whichever is more.
-            let max = cands
+            // A new prefix: the lighter working sets among the pods that compete for it, by
+            // how far each is above the lightest, against the spread or a quarter of a cache,
+            // whichever is more.
+            let (min, max) = cands
                 .iter()
                 .filter_map(|c| c.room)
-                .fold(ROOM_FLOOR, f64::max);
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), s| {
+                    (lo.min(s), hi.max(s))
+                });
+            let span = (max - min).max(ROOM_FLOOR);
             for (o, c) in out.iter_mut().zip(cands) {
                 *o = c
                     .room
-                    .map_or(0.0, |share| (1.0 - share / max).clamp(0.0, 1.0));
+                    .map_or(0.0, |share| (1.0 - (share - min) / span).clamp(0.0, 1.0));
             }
             return;
         }
