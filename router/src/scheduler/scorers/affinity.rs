@@ -48,10 +48,10 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// not to steady that tail.
 pub struct Affinity;
 
-/// Working sets closer than this share of a cache count as that far apart at most: one share
-/// above another scores `1 - gap / ROOM_FLOOR`, so small gaps leave the choice to the other
-/// scorers (load). A quarter: a pod running six requests
-/// beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
+/// The least span room gaps are measured against, as a share of a cache: while the working sets
+/// lie closer together than this, a pod `gap` above the lightest scores `1 - gap / ROOM_FLOOR`,
+/// so small gaps move the score a little and leave the choice to the other scorers (load). A
+/// quarter: a pod running six requests beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
 /// because its sibling already homes a few blocks, while on issue 16's load one tenant (128 of
 /// 1,200 blocks) must already weigh on the next tenant's placement — the first 24 arrive within
 /// a few seconds. Measured there with the ratio form (a floor under the heaviest share): 0.70 /
