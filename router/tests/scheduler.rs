@@ -1043,13 +1043,15 @@ fn a_new_prefix_goes_where_the_lightest_working_set_lives() {
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
 }
 
-/// Room is a difference between working sets, not a ratio: one prefix more on a pod weighs the
-/// same whether its sibling homes none or two, so the last tenants of a full fleet are still
-/// spread by working set and not by a moment's load. Scored as a share of the heaviest, the
-/// 3-against-2 gap was worth two thirds of the 1-against-0 gap (issue 16's run at 0.68 placed
-/// its 24 tenants 7 / 5 / 6 / 6 that way).
+/// Room is a difference between working sets, against what the lightest leaves free: one
+/// prefix more on a pod weighs more when its sibling already homes two than when it homes none,
+/// so the last tenants of a filling fleet are spread by working set and not by a moment's load.
+/// Scored as a share of the heaviest, the 3-against-2 gap was worth two thirds of the
+/// 1-against-0 gap (issue 16's run at 0.68 placed its 24 tenants 7 / 5 / 6 / 6 that way); as a
+/// difference against a quarter of the whole cache, the same (and 7 / 5 / 6 / 6 came back in 2
+/// runs of 11).
 #[test]
-fn one_prefix_more_weighs_the_same_at_every_depth() {
+fn one_prefix_more_weighs_more_as_the_caches_fill() {
     // `lru` off: every pick here happens at one instant, so which pod it deems picked longest
     // ago is not the point.
     let mut cfg = SchedulerConfig::default();
@@ -1075,10 +1077,13 @@ fn one_prefix_more_weighs_the_same_at_every_depth() {
         d.margin
     };
     let (first, deeper) = (margin(0), margin(2));
-    // 0.128 of a cache apart against a quarter: 3 × 0.512 either way (the ratio form gave
-    // 3 × 0.512, then 3 × 0.333).
+    // 0.128 of a cache apart against a quarter of what the lighter leaves: of all of it first,
+    // of 0.744 of it then (the ratio form gave 3 × 0.512, then 3 × 0.333; a quarter of the
+    // whole cache 3 × 0.512 both times).
     assert!((first - 3.0 * 0.512).abs() < 1e-6, "{first}");
-    assert!((deeper - first).abs() < 1e-6, "{first} then {deeper}");
+    let expected = 3.0 * 0.128 / (0.25 * 0.744);
+    assert!((deeper - expected).abs() < 1e-6, "{first} then {deeper}");
+    assert!(deeper > first + 0.5, "{first} then {deeper}");
 }
 
 /// A pod whose queue stands still (this router's oldest stream there has waited long for its

@@ -17,7 +17,8 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// have room to stay: each pod that would start it within a home's slack of the soonest
 /// (`saturation::room_cutoff`) scores by how close its working set is to the lightest
 /// (`1 - (share - lightest) / span`, the span from the lightest share to the heaviest or
-/// [`ROOM_FLOOR`], whichever is more); the others 0. A working set
+/// [`room_floor`] — a quarter of what the lightest leaves free — whichever is more); the
+/// others 0. A working set
 /// ([`crate::homes::Homes::working_set`]) is the blocks of the prefixes a pod is home to that
 /// were asked for again (sent to any pod), or sent in the last ten seconds: what the new prefix
 /// will compete with for the pod's cache. Placed by load, issue 16's 24 equal tenants landed
@@ -31,8 +32,10 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// between pods homing five and six tenants was worth 0.17 of the weight, less than a few
 /// running requests: issue 16's last tenants went by load, and a run that placed them 7 / 5 /
 /// 6 / 6 fell to 0.68, its seven-tenant pod two seconds behind its siblings. As a difference
-/// the gap is worth 0.43 at every depth. Measured interleaved there (eleventh session): 0.745 /
-/// 0.730 / 0.743 against 0.728 / 0.727 / 0.724 for the ratio.
+/// against a quarter of a cache the gap is worth 0.43 at every depth (measured interleaved
+/// there, eleventh session: 0.745 / 0.730 / 0.743 against 0.728 / 0.727 / 0.724 for the
+/// ratio); against a quarter of what the lightest leaves free it weighs more as the caches
+/// fill, which is when a wrong placement costs most ([`room_floor`]).
 ///
 /// Earlier rules, measured and dropped: the fewest prefixes homed (a half-weight tie-breaker)
 /// counted the bench's `agentic` tool prompts of 3k and 30k tokens alike and stacked the long
@@ -48,15 +51,34 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// not to steady that tail.
 pub struct Affinity;
 
-/// The least span room gaps are measured against, as a share of a cache: while the working sets
-/// lie closer together than this, a pod `gap` above the lightest scores `1 - gap / ROOM_FLOOR`,
-/// so small gaps move the score a little and leave the choice to the other scorers (load). A
-/// quarter: a pod running six requests beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
+/// The least span room gaps are measured against, as a share of what the lightest working set
+/// leaves of its cache ([`room_floor`]): while the working sets lie closer together than that, a
+/// pod `gap` above the lightest scores `1 - gap / floor`, so small gaps move the score a little
+/// and leave the choice to the other scorers (load). A quarter: a pod running six requests
+/// beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
 /// because its sibling already homes a few blocks, while on issue 16's load one tenant (128 of
 /// 1,200 blocks) must already weigh on the next tenant's placement — the first 24 arrive within
 /// a few seconds. Measured there with the ratio form (a floor under the heaviest share): 0.70 /
 /// 0.74 / 0.74 with it, 0.71 / 0.75 / 0.73 with none.
 pub(crate) const ROOM_FLOOR: f64 = 0.25;
+
+/// [`ROOM_FLOOR`] of what the lightest share (`lightest`) leaves free, and never less than a
+/// tenth of that quarter (shares can pass 1 where a pod homes more than its cache holds).
+///
+/// Why of what is left, not of the whole cache: a new prefix competes for the room its pod's
+/// working set leaves, and the same gap is a larger part of less room. With a quarter of the
+/// whole cache, a one-tenant gap (0.107 of a cache on issue 16's load) stayed worth 0.43 of
+/// the weight when every pod already homed five tenants and had 0.47 of its cache left: less
+/// than two waiting and four running requests more on the lighter pod, so the last tenant went
+/// to the pod with the lightest moment's load, and the fleet ended 7 / 5 / 6 / 6 in 2 runs of
+/// 11 (hit rates 0.706 and 0.715; the pod with seven ran seconds behind its siblings). Of what
+/// is left, the gap is worth 0.91 there and the same 0.43 for the first tenants. Measured
+/// interleaved (twelfth session, five runs each): 6 / 6 / 6 / 6 in five of five, hit rates
+/// 0.727 / 0.745 / 0.751 / 0.746 / 0.728, against 7 / 5 / 6 / 6 in two of five and 0.745 /
+/// 0.746 / 0.734 / 0.679 / 0.722.
+pub(crate) fn room_floor(lightest: f64) -> f64 {
+    ROOM_FLOOR * (1.0 - lightest).clamp(0.1, 1.0)
+}
 
 impl Scorer for Affinity {
     fn match_use(&self) -> MatchUse {
@@ -66,15 +88,15 @@ impl Scorer for Affinity {
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
         if cands.iter().any(|c| c.room.is_some()) {
             // A new prefix: the lighter working sets among the pods that compete for it, by
-            // how far each is above the lightest, against the spread or a quarter of a cache,
-            // whichever is more.
+            // how far each is above the lightest, against the spread or a quarter of what the
+            // lightest leaves free, whichever is more.
             let (min, max) = cands
                 .iter()
                 .filter_map(|c| c.room)
                 .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), s| {
                     (lo.min(s), hi.max(s))
                 });
-            let span = (max - min).max(ROOM_FLOOR);
+            let span = (max - min).max(room_floor(min));
             for (o, c) in out.iter_mut().zip(cands) {
                 *o = c
                     .room
