@@ -109,3 +109,21 @@ impl Scorer for Affinity {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{ROOM_FLOOR, room_floor};
+
+    /// A quarter of the whole cache while nothing is homed, of what is left as it fills, and
+    /// never zero or negative: a pod can home more than its cache holds (shares past 1), and a
+    /// span of 0 would score every equal pod `0 / 0`.
+    #[test]
+    fn the_room_floor_shrinks_with_the_room_left_and_stays_positive() {
+        assert_eq!(room_floor(0.0), ROOM_FLOOR);
+        assert!((room_floor(0.6) - 0.1).abs() < 1e-12, "{}", room_floor(0.6));
+        for lightest in [0.9, 1.0, 1.5, 40.0] {
+            let f = room_floor(lightest);
+            assert!((f - ROOM_FLOOR * 0.1).abs() < 1e-12, "{lightest}: {f}");
+        }
+    }
+}
