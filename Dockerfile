@@ -40,7 +40,7 @@ USER 65532:65532
 EXPOSE 9090/tcp
 ENTRYPOINT ["/usr/local/bin/kvsight-sidecar"]
 
-# vllm-sim (tests/sim/, crate kvsight-sim): its own build step, so the router and sidecar images
+# vllm-sim (sim/, crate kvsight-sim): its own build step, so the router and sidecar images
 # never wait for the simulator. The project's own tokenizer is trained here once and baked in; the chart's init
 # container exports it (`--export-tokenizer`) for the pod's sidecar to offer routers.
 FROM build AS build-sim

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use kvsight_testbed::cluster::{PodCounters, parse_counters};
+use kvsight_sidecar::counters::{PodCounters, parse_counters};
 use kvsight_transport::dev_certs::DevCa;
 
 use crate::cost::CostModel;

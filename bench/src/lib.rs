@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use kvsight_testbed::cluster::PodCounters;
+use kvsight_sidecar::counters::PodCounters;
 use serde_json::json;
 
 use crate::cluster::{Binaries, Certs, Pod, PodsConfig};

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use kvsight_testbed::cluster::PodCounters;
+use kvsight_sidecar::counters::PodCounters;
 use serde::Serialize;
 
 use crate::client::Outcome;

@@ -1,7 +1,7 @@
 //! The protocol's hot paths: hashing a prompt, matching a chain against every pod's filter, and
 //! producing + applying a delta. Run with `cargo xtask bench -- --bench protocol` or
 //! `cargo bench -p kvsight-protocol`. Tokenizing before the hash is benchmarked in
-//! `kvsight-tokenizer` (`protocol/tokenizer/benches/tokenizer.rs`).
+//! `kvsight-tokenizer` (`tokenizer/benches/tokenizer.rs`).
 
 use std::hint::black_box;
 

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvsight_harness::messages;
+use kvsight_process::tokenizer_dir::read as read_dir;
 use kvsight_protocol::bloom::{BloomFilter, FilterParams};
 use kvsight_protocol::hash::{ChainSeed, hash_chain};
 use kvsight_protocol::messages::*;
@@ -26,7 +27,6 @@ use kvsight_router::config::SchedulerConfig;
 use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
 use kvsight_router::tokenize::model_tokenizer;
-use kvsight_transport::tokenizer_dir::read as read_dir;
 
 const PODS: usize = 64;
 const BLOCKS: usize = 512;

@@ -102,7 +102,7 @@ pub fn build_state(cfg: &RunConfig, shutdown: &CancellationToken) -> Result<Arc<
             model: model.clone(),
             message,
         };
-        let files = kvsight_transport::tokenizer_dir::read(dir)
+        let files = kvsight_process::tokenizer_dir::read(dir)
             .map_err(|e| err(format!("{}: {e}", dir.display())))?;
         let tok = tokenize::model_tokenizer(&files).map_err(|e| err(e.to_string()))?;
         state.tokenizers.insert(model, files.digest(), tok);

@@ -10,10 +10,10 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
+use kvsight_process::exit::{config_error, run_to_exit};
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{Listeners, RunConfig, RunError};
 use kvsight_transport::TlsFiles;
-use kvsight_transport::exit::{config_error, run_to_exit};
 
 const PROGRAM: &str = "kvsight-router";
 
@@ -157,7 +157,7 @@ async fn serve(args: &Args, cfg: RunConfig) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM right after the ports are bound must drain, not kill.
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
-    kvsight_transport::signal::on_termination(move || signal.cancel());
+    kvsight_process::signal::on_termination(move || signal.cancel());
     let http = tokio::net::TcpListener::bind(args.listen).await?;
     let quic = std::net::UdpSocket::bind(args.quic_listen)?;
     kvsight_router::run(Listeners { http, quic }, cfg, shutdown).await?;

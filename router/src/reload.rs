@@ -24,7 +24,7 @@ pub enum Outcome {
 }
 
 /// Errors starting the watcher.
-pub type ReloadError = kvsight_transport::files::WatchError;
+pub type ReloadError = kvsight_process::files::WatchError;
 
 /// Reads `path` and applies it if it changed from `last` and validates.
 pub fn reload_once(state: &State, path: &Path, last: &mut Option<Vec<u8>>) -> Outcome {
@@ -62,8 +62,8 @@ pub fn spawn_watcher(
     stop: CancellationToken,
 ) -> Result<(), ReloadError> {
     let mut last = std::fs::read(&path).ok();
-    let dir = kvsight_transport::files::parent_dir(&path);
-    let watch = kvsight_transport::files::watch_dirs(&[dir], move || {
+    let dir = kvsight_process::files::parent_dir(&path);
+    let watch = kvsight_process::files::watch_dirs(&[dir], move || {
         let outcome = reload_once(&state, &path, &mut last);
         tracing::debug!(?outcome, "config file event handled");
     })?;

@@ -217,7 +217,7 @@ async fn tokenize_answers_locally_with_the_models_tokenizer() {
     ) else {
         return;
     };
-    let files = kvsight_transport::tokenizer_dir::read(&dir).unwrap();
+    let files = kvsight_process::tokenizer_dir::read(&dir).unwrap();
     let direct = kvsight_tokenizer::ModelTokenizer::from_bytes(
         &files.tokenizer_json,
         files.tokenizer_config.as_deref(),

@@ -452,7 +452,7 @@ async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
     ) else {
         return;
     };
-    let files = kvsight_transport::tokenizer_dir::read(&dir).unwrap();
+    let files = kvsight_process::tokenizer_dir::read(&dir).unwrap();
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start_with(&ca, Some(kvsight_router::tokenize::default_loader())).await;
     let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)

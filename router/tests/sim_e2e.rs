@@ -6,10 +6,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use kvsight_process::tokenizer_dir::read as read_dir;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::tokenize::model_tokenizer;
 use kvsight_sim::server::{SimConfig, SimPod, TokenizerFiles};
-use kvsight_transport::tokenizer_dir::read as read_dir;
 use serde_json::{Value, json};
 
 use common::*;

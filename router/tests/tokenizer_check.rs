@@ -10,13 +10,13 @@ mod common;
 
 use std::time::Instant;
 
+use kvsight_process::tokenizer_dir::read as read_dir;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer};
 use kvsight_router::tokenizer_check::check_pending;
 use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles};
 use kvsight_tokenizer::Dialect;
-use kvsight_transport::tokenizer_dir::read as read_dir;
 use serde_json::{Value, json};
 
 use common::*;

@@ -12,6 +12,7 @@
 //! of our own, ends every task once the drain is over; a [`TaskTracker`] bounds the wait for them.
 
 pub mod config;
+pub mod counters;
 pub mod engine;
 pub mod kv_events;
 pub mod load;
@@ -60,7 +61,7 @@ pub enum RunError {
     #[error("TLS material: {0}")]
     Tls(#[from] kvsight_transport::TransportError),
     #[error("TLS files: {0}")]
-    TlsWatch(#[from] kvsight_transport::files::WatchError),
+    TlsWatch(#[from] kvsight_process::files::WatchError),
     #[error("warm-up plan: {0}")]
     Warmup(#[from] warmup::WarmupError),
     #[error("KV-cache filter for {blocks} blocks: {source}")]
@@ -227,7 +228,7 @@ async fn start_and_serve(
             .filter(|p| p.is_dir())
     });
     let tokenizer =
-        tokenizer_dir.and_then(|dir| match kvsight_transport::tokenizer_dir::read(&dir) {
+        tokenizer_dir.and_then(|dir| match kvsight_process::tokenizer_dir::read(&dir) {
             Ok(t) => Some(t),
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "no tokenizer to hand out");

@@ -4,9 +4,9 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use kvsight_process::exit::{config_error, run_to_exit};
 use kvsight_sidecar::config::Args;
 use kvsight_sidecar::{Listeners, run};
-use kvsight_transport::exit::{config_error, run_to_exit};
 use tokio_util::sync::CancellationToken;
 
 const PROGRAM: &str = "kvsight-sidecar";
@@ -33,7 +33,7 @@ async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM right after the port is announced must drain, not kill.
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
-    kvsight_transport::signal::on_termination(move || signal.cancel());
+    kvsight_process::signal::on_termination(move || signal.cancel());
     let http = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;

@@ -7,12 +7,8 @@
 //! from the configured CA; nothing else can register an address to receive user traffic.
 
 mod endpoint;
-pub mod exit;
-pub mod files;
-pub mod signal;
 mod stream;
 mod tls;
-pub mod tokenizer_dir;
 
 #[cfg(feature = "dev-certs")]
 pub mod dev_certs;

@@ -18,7 +18,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use rustls_pki_types::{ServerName, UnixTime};
 
 use crate::TransportError;
-use crate::files::{DirWatch, WatchError, parent_dir, watch_dirs};
+use kvsight_process::files::{DirWatch, WatchError, parent_dir, watch_dirs};
 
 /// ALPN protocol id: a peer speaking anything else fails the handshake.
 pub const ALPN: &[u8] = b"kvsight/1";

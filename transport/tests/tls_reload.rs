@@ -27,7 +27,7 @@ fn spawn_router(
 ) -> (
     SocketAddr,
     quinn::Endpoint,
-    kvsight_transport::files::DirWatch,
+    kvsight_process::files::DirWatch,
     mpsc::UnboundedReceiver<TlsReload>,
 ) {
     let mut material = dir.files().load().unwrap();
@@ -134,7 +134,7 @@ struct Router {
     addr: SocketAddr,
     outcomes: mpsc::UnboundedReceiver<TlsReload>,
     _endpoint: quinn::Endpoint,
-    _watch: kvsight_transport::files::DirWatch,
+    _watch: kvsight_process::files::DirWatch,
 }
 
 impl Router {

@@ -12,11 +12,31 @@ use anyhow::{Context, Result, bail};
 /// Crates that stand in front of or beside the router and the sidecar and must never depend on
 /// either, in any section: the simulator is the engine both talk to (as Dynamo keeps its mocker
 /// apart), the rest sit below them.
-const BELOW_ROUTER_AND_SIDECAR: [&str; 4] = [
+const BELOW_ROUTER_AND_SIDECAR: [&str; 5] = [
     "kvsight-protocol",
     "kvsight-tokenizer",
+    "kvsight-process",
     "kvsight-harness",
     "kvsight-sim",
+];
+
+/// Crates that must not reach another, directly or through any workspace crate between, and why.
+const NEVER_REACHES: [(&str, &str, &str); 3] = [
+    (
+        "kvsight-sim",
+        "kvsight-transport",
+        "the simulator speaks HTTP and ZMQ only and must not link QUIC or TLS",
+    ),
+    (
+        "kvsight-process",
+        "kvsight-transport",
+        "process plumbing sits below the transport",
+    ),
+    (
+        "kvsight-bench",
+        "kvsight-testbed",
+        "the bench runs real processes and needs none of the loopback test cluster",
+    ),
 ];
 
 /// Reads the workspace's crates from `cargo metadata` and fails on a cycle or a forbidden edge.
@@ -75,7 +95,29 @@ fn check(graph: &BTreeMap<String, BTreeSet<String>>) -> Result<()> {
             }
         }
     }
+    for (from, to, why) in NEVER_REACHES {
+        if reaches(graph, from, to) {
+            bail!("{from} reaches {to}: {why}");
+        }
+    }
     Ok(())
+}
+
+/// Whether `to` is among `from`'s dependencies, directly or through other workspace crates.
+fn reaches(graph: &BTreeMap<String, BTreeSet<String>>, from: &str, to: &str) -> bool {
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![from];
+    while let Some(node) = todo.pop() {
+        for dep in graph.get(node).into_iter().flatten() {
+            if dep == to {
+                return true;
+            }
+            if seen.insert(dep.as_str()) {
+                todo.push(dep);
+            }
+        }
+    }
+    false
 }
 
 /// One cycle as the path `a -> b -> … -> a`, or `None` when the graph has none.
@@ -171,6 +213,18 @@ mod tests {
         let g = graph(&[("kvsight-sim", "kvsight-sidecar")]);
         let e = check(&g).unwrap_err().to_string();
         assert!(e.contains("kvsight-sim depends on kvsight-sidecar"), "{e}");
+    }
+
+    #[test]
+    fn the_simulator_may_not_reach_the_transport_through_another_crate() {
+        let g = graph(&[
+            ("kvsight-sim", "kvsight-process"),
+            ("kvsight-process", "kvsight-transport"),
+        ]);
+        let e = check(&g).unwrap_err().to_string();
+        assert!(e.contains("kvsight-sim reaches kvsight-transport"), "{e}");
+        let g = graph(&[("kvsight-bench", "kvsight-testbed")]);
+        assert!(check(&g).is_err());
     }
 
     #[test]

@@ -68,7 +68,7 @@ async fn main() {
         // Installed before the cluster is announced: a Ctrl-C that comes before its handler
         // would kill the process without stopping the cluster (the test sends one as soon as
         // the router answers).
-        let interrupted = kvsight_transport::signal::termination();
+        let interrupted = kvsight_process::signal::termination();
         println!("router: {}", cluster.routers[0].url());
         for pod in &cluster.pods {
             println!(

@@ -11,7 +11,6 @@
 //! ports it had before, as a restarted container keeps its pod's IP and ports.
 
 mod baseline;
-mod metrics;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,7 +33,7 @@ use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles};
 
 pub use baseline::{BlindMode, BlindRouter, L4Balancer};
 pub use kvsight_harness::http::{Routed, decision_of, post_json, send_json};
-pub use metrics::{PodCounters, parse_counters};
+pub use kvsight_sidecar::counters::{PodCounters, parse_counters};
 
 /// How long [`eventually`] and the cluster's waits give a condition by default.
 pub const WAIT: Duration = Duration::from_secs(20);

@@ -730,8 +730,8 @@ pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
 /// The workspace target directory: `$CARGO_TARGET_DIR` (relative to the workspace root when
 /// relative) or `<workspace>/target`.
 pub fn target_dir() -> PathBuf {
-    // CARGO_MANIFEST_DIR is tests/sim/; the workspace root is two levels up.
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // CARGO_MANIFEST_DIR is sim/; the workspace root is its parent.
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) if !dir.is_empty() => workspace.join(dir),
         _ => workspace.join("target"),

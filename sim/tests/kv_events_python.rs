@@ -13,7 +13,10 @@ use serde_json::{Map, Value, json};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/check_kv_events.py");
+const SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/python/check_kv_events.py"
+);
 const TOPIC: &str = "kv-events";
 const WAIT: Duration = Duration::from_secs(30);
 

@@ -1,7 +1,8 @@
-//! A pod's engine counters, read from vLLM's own `/metrics` exposition: what the demo and the
-//! scenarios measure, as an operator's dashboard would (never from the router's opinion).
+//! A pod's cumulative engine counters, read from vLLM's own `/metrics` exposition as an operator's
+//! dashboard reads them: what the demo, the end-to-end scenarios and the bench judge routing by
+//! (never the router's opinion).
 
-use kvsight_sidecar::scrape::samples;
+use crate::scrape::samples;
 
 /// Cumulative engine counters of one pod (sums over label sets, e.g. every `finished_reason`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -15,7 +15,10 @@ use kvsight_sim::own_tokenizer;
 use kvsight_tokenizer::{ChatExtras, ChatMessage, ModelTokenizer};
 use serde_json::{Value, json};
 
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/check_tokenizer.py");
+const SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/python/check_tokenizer.py"
+);
 /// Phi-3-mini's tokenizer folder, under `../shared`.
 const PHI3_DIR: &str = "fixtures/tokenizers/phi-3-mini";
 /// Python startup plus loading a 32k-entry tokenizer takes a second or two; this only bounds a

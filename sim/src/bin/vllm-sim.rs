@@ -3,8 +3,8 @@
 //! its tokenizer files and exits). Exit code 64 on a bad flag.
 
 use clap::Parser;
+use kvsight_process::exit::EXIT_CONFIG;
 use kvsight_sim::server::{Args, SimPod};
-use kvsight_transport::exit::EXIT_CONFIG;
 
 /// A bad flag: the exit code the router and the sidecar use for a wrong configuration.
 const EXIT_USAGE: i32 = EXIT_CONFIG as i32;
@@ -33,7 +33,7 @@ async fn main() {
         return;
     }
     // Handlers before the pod starts: a SIGTERM right after "HTTP on" must shut down cleanly.
-    let terminated = kvsight_transport::signal::termination();
+    let terminated = kvsight_process::signal::termination();
     let pod = match SimPod::start(config).await {
         Ok(pod) => pod,
         Err(e) => {
