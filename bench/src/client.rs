@@ -11,9 +11,57 @@ use serde_json::Value;
 
 use crate::workload::Request;
 
+/// How clients reach several router replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Spread {
+    /// Request by request in turn, as a Kubernetes Service or a gateway without affinity does.
+    #[default]
+    RoundRobin,
+    /// Each tenant or session always to the same replica, as a gateway hashing a header does.
+    Pinned,
+}
+
+impl Spread {
+    pub fn name(self) -> &'static str {
+        match self {
+            Spread::RoundRobin => "round_robin",
+            Spread::Pinned => "pinned",
+        }
+    }
+}
+
+/// The router replicas a run sends to, and how requests are spread over them.
+#[derive(Debug, Clone)]
+pub struct Targets {
+    pub urls: Vec<String>,
+    pub spread: Spread,
+}
+
+impl Targets {
+    /// One router.
+    pub fn one(url: &str) -> Targets {
+        Targets {
+            urls: vec![url.to_owned()],
+            spread: Spread::RoundRobin,
+        }
+    }
+
+    /// The replica request `i` (sent by `key`) goes to.
+    pub fn replica(&self, i: usize, key: u32) -> usize {
+        let n = self.urls.len().max(1);
+        match self.spread {
+            Spread::RoundRobin => i % n,
+            Spread::Pinned => key as usize % n,
+        }
+    }
+}
+
 /// What one request saw.
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
+    /// Which router replica it was sent to.
+    pub replica: usize,
     /// Seconds from sending to the first generated text; `None` without any.
     pub ttft_s: Option<f64>,
     /// Seconds from sending to the end of the stream.
@@ -28,30 +76,37 @@ pub struct Outcome {
     pub error: Option<String>,
 }
 
-/// Sends every request of `plan` to `base` at its offset; returns the outcomes in plan order.
+/// Sends every request of `plan` to its replica of `targets` at its offset; returns the
+/// outcomes in plan order.
 pub async fn run(
     http: &reqwest::Client,
-    base: &str,
+    targets: &Targets,
     requests: &[Request],
     deadline: Duration,
 ) -> Vec<Outcome> {
     let start = tokio::time::Instant::now();
-    let base: Arc<str> = Arc::from(base.trim_end_matches('/'));
+    let bases: Vec<Arc<str>> = targets
+        .urls
+        .iter()
+        .map(|u| Arc::from(u.trim_end_matches('/')))
+        .collect();
     let mut tasks = Vec::with_capacity(requests.len());
-    for r in requests {
+    for (i, r) in requests.iter().enumerate() {
         tokio::time::sleep_until(start + r.at).await;
         let http = http.clone();
-        let url = format!("{base}{}", r.path);
+        let replica = targets.replica(i, r.key);
+        let url = format!("{}{}", bases[replica], r.path);
         let body = r.body.clone();
         tasks.push(tokio::spawn(async move {
-            match tokio::time::timeout(deadline, one(&http, &url, body)).await {
+            let o = match tokio::time::timeout(deadline, one(&http, &url, body)).await {
                 Ok(o) => o,
                 Err(_) => Outcome {
                     e2e_s: deadline.as_secs_f64(),
                     error: Some(format!("no answer within {deadline:?}")),
                     ..Outcome::default()
                 },
-            }
+            };
+            Outcome { replica, ..o }
         }));
     }
     let mut out = Vec::with_capacity(tasks.len());

@@ -317,6 +317,7 @@ pub fn total(counters: &[PodCounters]) -> PodCounters {
             prefix_queries: a.prefix_queries + c.prefix_queries,
             prefix_hits: a.prefix_hits + c.prefix_hits,
             preemptions: a.preemptions + c.preemptions,
+            prompt_tokens: a.prompt_tokens + c.prompt_tokens,
             running: a.running + c.running,
             waiting: a.waiting + c.waiting,
         })

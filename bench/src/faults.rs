@@ -59,35 +59,40 @@ pub async fn exec_load(
 /// A cold pod started mid-run, and how the router under test was told.
 pub struct ColdPod {
     pub pod: Pod,
-    /// The worker id a peer gave it (smg, sglang-router), to remove it by.
-    worker_id: Option<String>,
+    /// The worker id each replica of a peer gave it (smg, sglang-router), to remove it by.
+    worker_ids: Vec<Option<String>>,
 }
 
 impl ColdPod {
     /// Starts the pod (its sidecar warms it up and reports to the kvsight routers); for a peer,
-    /// adds it once vLLM's `/health` answers.
+    /// adds it to every replica once vLLM's `/health` answers.
     pub async fn join(
         name: &str,
         cfg: &PodsConfig<'_>,
         kind: Kind,
-        router_url: &str,
+        router_urls: &[String],
         http: &reqwest::Client,
     ) -> Result<ColdPod> {
         let pod = Pod::start(name, cfg, http).await?;
-        let worker_id = add_worker(kind, router_url, &pod.url, http).await?;
-        Ok(ColdPod { pod, worker_id })
+        let mut worker_ids = Vec::with_capacity(router_urls.len());
+        for url in router_urls {
+            worker_ids.push(add_worker(kind, url, &pod.url, http).await?);
+        }
+        Ok(ColdPod { pod, worker_ids })
     }
 
-    /// Removes the pod from a peer, then stops it.
-    pub async fn leave(self, kind: Kind, router_url: &str, http: &reqwest::Client) -> Result<()> {
-        let r = remove_worker(
-            kind,
-            router_url,
-            &self.pod.url,
-            self.worker_id.as_deref(),
-            http,
-        )
-        .await;
+    /// Removes the pod from every replica of a peer, then stops it.
+    pub async fn leave(
+        self,
+        kind: Kind,
+        router_urls: &[String],
+        http: &reqwest::Client,
+    ) -> Result<()> {
+        let mut r = Ok(());
+        for (url, id) in router_urls.iter().zip(&self.worker_ids) {
+            let removed = remove_worker(kind, url, &self.pod.url, id.as_deref(), http).await;
+            r = r.and(removed);
+        }
         self.pod.stop().await;
         r
     }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use kvsight_bench::client::Spread;
 use kvsight_bench::{Options, blind, cluster::Binaries, routers, workload};
 
 #[derive(Debug, Parser)]
@@ -61,6 +62,13 @@ enum Cmd {
         /// multi_tenant's shape.
         #[command(flatten)]
         tenants: workload::TenantShape,
+        /// Processes of each router (kvsight: replicas with their own router ids, every sidecar
+        /// connected to all; a peer: independent processes, as users run them).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+        router_replicas: u16,
+        /// How clients spread requests over the replicas.
+        #[arg(long, value_enum, default_value_t = Spread::RoundRobin)]
+        client_spread: Spread,
     },
     /// kvsight in front of real vLLM engines (what `cargo xtask real-vllm` runs once vLLM is
     /// installed); exits 1 when a check fails.
@@ -247,6 +255,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             all_pairs,
             engine,
             tenants,
+            router_replicas,
+            client_spread,
         } => {
             let workloads = match (workloads.is_empty(), quick) {
                 (false, _) => workloads,
@@ -287,6 +297,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 tenants,
                 count,
                 variants_on,
+                router_replicas: usize::from(router_replicas),
+                client_spread,
             };
             let expected = opts
                 .workloads

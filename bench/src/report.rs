@@ -15,6 +15,9 @@ pub struct RunResult {
     pub workload: String,
     /// Requests per simulated second.
     pub rate: f64,
+    /// Processes of the router the clients spread their requests over, and how.
+    pub router_replicas: usize,
+    pub client_spread: &'static str,
     pub requests: usize,
     /// Cluster prefix-cache hit rate from the pods' own counters (hits / queries, tokens).
     pub hit_rate: Option<f64>,
@@ -31,6 +34,12 @@ pub struct RunResult {
     pub preemptions: f64,
     /// Most requests served by one pod over fewest (null when a pod served none).
     pub max_min_share: Option<f64>,
+    /// How unevenly the pods were loaded: coefficient of variation (standard deviation over
+    /// mean) of the requests and of the prompt tokens each pod served.
+    pub load_cov: LoadCov,
+    /// kvsight only: requests that a replica sent to another pod than the one a different
+    /// replica had sent the same tenant or session to within one load-report interval before.
+    pub split_placements: Option<usize>,
     pub errors: usize,
     /// Router CPU seconds (whole process group) per 1,000 requests.
     pub router_cpu_s_per_1k: f64,
@@ -47,11 +56,32 @@ pub struct RunResult {
     pub first_error: Option<String>,
 }
 
+/// The coefficients of variation of [`RunResult::load_cov`].
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LoadCov {
+    pub requests: Option<f64>,
+    pub prompt_tokens: Option<f64>,
+}
+
+/// Standard deviation over mean of `v` (population), `None` without a positive mean.
+pub fn cov(v: &[f64]) -> Option<f64> {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    if v.is_empty() || mean <= 0.0 {
+        return None;
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    Some(var.sqrt() / mean)
+}
+
 /// What the bench measured besides the client's outcomes.
 pub struct RunInputs<'a> {
     pub router: &'a str,
     pub workload: &'a str,
     pub rate: f64,
+    pub router_replicas: usize,
+    pub client_spread: &'static str,
+    pub split_placements: Option<usize>,
     pub outcomes: &'a [Outcome],
     /// Per pod: counters after minus before.
     pub pods: &'a [PodCounters],
@@ -101,6 +131,8 @@ impl RunResult {
             router: i.router.to_owned(),
             workload: i.workload.to_owned(),
             rate: i.rate,
+            router_replicas: i.router_replicas,
+            client_spread: i.client_spread,
             requests: n,
             hit_rate: total.hit_rate(),
             ttft_p50_s: quantile(&mut ttft, 0.5),
@@ -123,6 +155,11 @@ impl RunResult {
             },
             preemptions: total.preemptions,
             max_min_share: (min > 0.0).then(|| max / min),
+            load_cov: LoadCov {
+                requests: cov(&shares),
+                prompt_tokens: cov(&i.pods.iter().map(|p| p.prompt_tokens).collect::<Vec<_>>()),
+            },
+            split_placements: i.split_placements,
             errors: n - ok.len(),
             router_cpu_s_per_1k: if n == 0 {
                 0.0
@@ -141,6 +178,15 @@ impl RunResult {
     }
 }
 
+/// `1`, or `4 round_robin` / `4 pinned`.
+fn replicas(r: &RunResult) -> String {
+    if r.router_replicas <= 1 {
+        "1".to_owned()
+    } else {
+        format!("{} {}", r.router_replicas, r.client_spread)
+    }
+}
+
 fn f(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "–".to_owned(), |v| format!("{v:.digits$}"))
 }
@@ -148,8 +194,8 @@ fn f(v: Option<f64>, digits: usize) -> String {
 /// The markdown table of every run, grouped by workload and rate.
 pub fn markdown(runs: &[RunResult]) -> String {
     let mut s = String::from(
-        "| workload | rate | router | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | out tok/s | goodput | preempt | max/min | errors | CPU s/1k | RSS MiB | added ms | Sight | stale p99 ms |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | rate | router | replicas | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | out tok/s | goodput | preempt | max/min | load CoV | splits | errors | CPU s/1k | RSS MiB | added ms | Sight | stale p99 ms |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut groups: BTreeMap<(String, u64), Vec<&RunResult>> = BTreeMap::new();
     for r in runs {
@@ -161,9 +207,10 @@ pub fn markdown(runs: &[RunResult]) -> String {
     for ((workload, _), rs) in groups {
         for r in rs {
             s.push_str(&format!(
-                "| {workload} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {:.0} | {} | {} | {:.2} | {:.0} | {} | {} | {} |\n",
+                "| {workload} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {:.0} | {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} |\n",
                 r.rate,
                 r.router,
+                replicas(r),
                 f(r.hit_rate, 2),
                 f(r.ttft_p50_s, 3),
                 f(r.ttft_p90_s, 3),
@@ -174,6 +221,8 @@ pub fn markdown(runs: &[RunResult]) -> String {
                 r.goodput,
                 r.preemptions,
                 f(r.max_min_share, 1),
+                f(r.load_cov.requests, 2),
+                r.split_placements.map_or_else(|| "–".to_owned(), |n| n.to_string()),
                 r.errors,
                 r.router_cpu_s_per_1k,
                 r.router_rss_mib,

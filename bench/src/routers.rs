@@ -257,9 +257,15 @@ impl KvsightRouter {
     /// memory of earlier runs, as every peer does.
     pub async fn restart(&mut self, http: &reqwest::Client, pods: usize) -> Result<()> {
         self.proc.terminate(Duration::from_secs(3)).await;
+        self.respawn()?;
+        self.wait_pods(http, pods, Duration::from_secs(60)).await
+    }
+
+    /// Starts the process again on the same ports and flags (the old one must have ended).
+    fn respawn(&mut self) -> Result<()> {
         let name = self.proc.name.clone();
         self.proc = Self::spawn(&name, &self.program, &self.args, &self.logs)?;
-        self.wait_pods(http, pods, Duration::from_secs(60)).await
+        Ok(())
     }
 
     /// Waits until every pod is routable through this router (Ready, with its filter).
@@ -306,6 +312,83 @@ impl KvsightRouter {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+/// The replicas of one kvsight variant, as one Deployment runs them: each with its own router id,
+/// ports and config file; every sidecar reports to all of them.
+pub struct KvsightDeployment {
+    pub kind: Kind,
+    pub replicas: Vec<KvsightRouter>,
+}
+
+impl KvsightDeployment {
+    /// Starts `n` replicas of `kind`. One replica keeps the variant's name as its router id
+    /// (what single-router results always said); several are `<name>-<i>`.
+    pub fn start(
+        kind: Kind,
+        n: usize,
+        bins: &Binaries,
+        certs: &Certs,
+        logs: &Path,
+    ) -> Result<KvsightDeployment> {
+        let replicas = (0..n.max(1))
+            .map(|i| {
+                let name = if n <= 1 {
+                    kind.name().to_owned()
+                } else {
+                    format!("{}-{i}", kind.name())
+                };
+                KvsightRouter::start_replica(kind, &name, bins, certs, logs)
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvsightDeployment { kind, replicas })
+    }
+
+    /// Every replica's QUIC address, for the sidecars.
+    pub fn quic(&self) -> impl Iterator<Item = String> + '_ {
+        self.replicas.iter().map(|r| r.quic.clone())
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.replicas.iter().map(|r| r.url.clone()).collect()
+    }
+
+    /// Waits until every replica routes to `pods` pods.
+    pub async fn wait_pods(
+        &mut self,
+        http: &reqwest::Client,
+        pods: usize,
+        within: Duration,
+    ) -> Result<()> {
+        for r in &mut self.replicas {
+            r.wait_pods(http, pods, within).await?;
+        }
+        Ok(())
+    }
+
+    /// Every replica as a fresh process on its ports (stopped together first, so no replica
+    /// carries placements it heard from another one into the next run).
+    pub async fn restart(&mut self, http: &reqwest::Client, pods: usize) -> Result<()> {
+        futures_util::future::join_all(
+            self.replicas
+                .iter_mut()
+                .map(|r| r.proc.terminate(Duration::from_secs(3))),
+        )
+        .await;
+        for r in &mut self.replicas {
+            r.respawn()?;
+        }
+        self.wait_pods(http, pods, Duration::from_secs(60)).await
+    }
+
+    pub async fn stop(self) {
+        futures_util::future::join_all(
+            self.replicas
+                .into_iter()
+                .map(|r| r.proc.stop(Duration::from_secs(3))),
+        )
+        .await;
     }
 }
 

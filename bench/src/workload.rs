@@ -68,6 +68,18 @@ pub struct Request {
     pub body: bytes::Bytes,
     /// Prompt tokens on the pods (their tokenizer, their chat template).
     pub prompt_tokens: u32,
+    /// Who sends it: the tenant, the chat session or the agent's session (each request its own
+    /// where nothing is shared). A gateway pinning clients to router replicas pins by this.
+    pub key: u32,
+}
+
+/// One request body before arrival times are drawn.
+#[derive(Debug, Clone)]
+struct Body {
+    path: &'static str,
+    body: bytes::Bytes,
+    prompt_tokens: u32,
+    key: u32,
 }
 
 /// A workload at one rate: its requests, and what the cluster must look like for it.
@@ -92,7 +104,7 @@ pub struct Workload {
     pub shared_prompts: usize,
     pub shared_tokens: u64,
     /// The request bodies in arrival order (arrival times come with the rate).
-    bodies: Vec<(&'static str, bytes::Bytes, u32)>,
+    bodies: Vec<Body>,
 }
 
 /// Counts the tokens a completion prompt has on the pods.
@@ -189,15 +201,27 @@ pub fn build(
         tok.encode_chat(&msgs, true, &Default::default())
             .map_or(0, |ids| ids.len() as u32)
     };
-    let mut bodies: Vec<(&'static str, bytes::Bytes, u32)> = Vec::new();
-    let push_completion = |bodies: &mut Vec<_>, prompt: &str, max_tokens: u32| {
-        let n = completion_tokens(tok, prompt);
-        bodies.push((
-            "/v1/completions",
-            bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
-            n,
-        ));
+    let mut bodies: Vec<Body> = Vec::new();
+    let push_completion = |bodies: &mut Vec<Body>, prompt: &str, max_tokens: u32, key: usize| {
+        bodies.push(Body {
+            path: "/v1/completions",
+            body: bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
+            prompt_tokens: completion_tokens(tok, prompt),
+            key: key as u32,
+        });
     };
+    // Returns the prompt's tokens on the pods.
+    let push_chat =
+        |bodies: &mut Vec<Body>, msgs: &[(&str, &str)], max_tokens: u32, key: usize| -> u32 {
+            let prompt_tokens = chat_tokens(msgs);
+            bodies.push(Body {
+                path: "/v1/chat/completions",
+                body: bytes::Bytes::from(chat(msgs, max_tokens).to_string()),
+                prompt_tokens,
+                key: key as u32,
+            });
+            prompt_tokens
+        };
     // Requests per run: the full run (every router, every workload) must fit in 30 minutes on a
     // 2-core machine. At 300 per workload (360 for multi_tenant) it took 33 min 22 s; below
     // saturation every router is level, so counts were cut where a run is long for the little it
@@ -210,7 +234,7 @@ pub fn build(
             count = count_override.unwrap_or(if quick { 200 } else { 240 });
             for n in 0..count {
                 let p = format!("{preamble}Question {n}: name one factor.");
-                push_completion(&mut bodies, &p, cost.tokens(128));
+                push_completion(&mut bodies, &p, cost.tokens(128), n);
             }
             shared_prompts = 1;
             shared_tokens = u64::from(completion_tokens(tok, &preamble));
@@ -239,6 +263,7 @@ pub fn build(
                     &mut bodies,
                     &format!("{}\n{q}", systems[g]),
                     cost.tokens(shape.output_tokens.unwrap_or(1000)),
+                    g,
                 );
             }
             shared_prompts = groups;
@@ -261,20 +286,22 @@ pub fn build(
             // ≈ 200 tokens, answers of ≈ 400, 16 sessions interleaved at a time.
             let system = system_prompt(tok, &mut rng, cost.tokens(400), "a support desk");
             count = count_override.unwrap_or(if quick { 200 } else { 240 });
-            let mut sessions: Vec<(Vec<(String, String)>, usize)> = Vec::new();
+            // (history of (user, answer) turns, turns in all, session id)
+            type Session = (Vec<(String, String)>, usize, usize);
+            let mut sessions: Vec<Session> = Vec::new();
             let mut total_sessions = 0;
             let mut shared = 0u64;
             let mut i = 0;
             while bodies.len() < count {
                 while sessions.len() < 16 {
                     let turns = 2 + rng.below(19);
-                    sessions.push((Vec::new(), turns));
+                    sessions.push((Vec::new(), turns, total_sessions));
                     total_sessions += 1;
                 }
                 // A random live session takes the next turn: users do not take turns in order
                 // (and a rotation would line sessions up with a round-robin router's pods).
                 let idx = rng.below(sessions.len());
-                let (history, _) = &mut sessions[idx];
+                let (history, _, session) = &mut sessions[idx];
                 let lead = format!("{}\n", question(&mut rng));
                 let user = text_of(tok, &mut rng, cost.tokens(200), &lead);
                 let mut msgs: Vec<(&str, &str)> = vec![("system", system.as_str())];
@@ -283,12 +310,7 @@ pub fn build(
                     msgs.push(("assistant", a));
                 }
                 msgs.push(("user", &user));
-                let n = chat_tokens(&msgs);
-                bodies.push((
-                    "/v1/chat/completions",
-                    bytes::Bytes::from(chat(&msgs, cost.tokens(400)).to_string()),
-                    n,
-                ));
+                let n = push_chat(&mut bodies, &msgs, cost.tokens(400), *session);
                 shared = shared.max(u64::from(n));
                 let answer = text_of(tok, &mut rng, cost.tokens(400), "");
                 history.push((user, answer));
@@ -335,12 +357,7 @@ pub fn build(
                     msgs.push(("assistant", r));
                 }
                 msgs.push(("user", &user));
-                let n = chat_tokens(&msgs);
-                bodies.push((
-                    "/v1/chat/completions",
-                    bytes::Bytes::from(chat(&msgs, cost.tokens(200)).to_string()),
-                    n,
-                ));
+                push_chat(&mut bodies, &msgs, cost.tokens(200), s);
                 let answer = text_of(tok, &mut rng, cost.tokens(200), "");
                 histories[s].push((user, answer));
             }
@@ -360,7 +377,7 @@ pub fn build(
                     cost.tokens(2000),
                     &format!("Document {n}.\n"),
                 );
-                push_completion(&mut bodies, &p, cost.tokens(400));
+                push_completion(&mut bodies, &p, cost.tokens(400), n);
             }
             shared_prompts = 0;
             shared_tokens = 0;
@@ -370,7 +387,11 @@ pub fn build(
     // The shared prompts overflow one pod's cache (it holds half of them) and fit the cluster's
     // several times over; at least room for a few of the longest requests.
     let bs = u64::from(cost.block_size);
-    let longest = bodies.iter().map(|b| u64::from(b.2)).max().unwrap_or(1);
+    let longest = bodies
+        .iter()
+        .map(|b| u64::from(b.prompt_tokens))
+        .max()
+        .unwrap_or(1);
     let per_pod_tokens = (shared_tokens / 2).max(8 * longest);
     let num_gpu_blocks = u32::try_from(per_pod_tokens.div_ceil(bs) + 1).unwrap_or(u32::MAX);
     Workload {
@@ -393,15 +414,16 @@ impl Workload {
         let requests = self
             .bodies
             .iter()
-            .map(|(path, body, n)| {
+            .map(|b| {
                 // Exponential gaps: −ln(U) / rate, U uniform in (0, 1].
                 let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
                 t += -(1.0 - u).ln() / rate;
                 Request {
                     at: Duration::from_secs_f64(t * time_scale),
-                    path,
-                    body: body.clone(),
-                    prompt_tokens: *n,
+                    path: b.path,
+                    body: b.body.clone(),
+                    prompt_tokens: b.prompt_tokens,
+                    key: b.key,
                 }
             })
             .collect();

@@ -15,6 +15,8 @@ pub struct PodCounters {
     pub prefix_hits: f64,
     /// `vllm:num_preemptions_total`.
     pub preemptions: f64,
+    /// `vllm:prompt_tokens_total`: prompt tokens of finished and running requests.
+    pub prompt_tokens: f64,
     /// `vllm:num_requests_running` and `vllm:num_requests_waiting` (gauges, now).
     pub running: f64,
     pub waiting: f64,
@@ -28,6 +30,7 @@ impl PodCounters {
             prefix_queries: self.prefix_queries - before.prefix_queries,
             prefix_hits: self.prefix_hits - before.prefix_hits,
             preemptions: self.preemptions - before.preemptions,
+            prompt_tokens: self.prompt_tokens - before.prompt_tokens,
             running: self.running,
             waiting: self.waiting,
         }
@@ -50,6 +53,7 @@ pub fn parse_counters(text: &str) -> Result<PodCounters, String> {
             "vllm:prefix_cache_queries" => &mut c.prefix_queries,
             "vllm:prefix_cache_hits" => &mut c.prefix_hits,
             "vllm:num_preemptions" => &mut c.preemptions,
+            "vllm:prompt_tokens" => &mut c.prompt_tokens,
             "vllm:num_requests_running" => &mut c.running,
             "vllm:num_requests_waiting" => &mut c.waiting,
             _ => continue,
@@ -73,11 +77,13 @@ vllm:request_success_created{engine=\"0\",finished_reason=\"stop\",model_name=\"
 vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 100.0
 vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 90.0
 vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 2.0
+vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"} 1234.0
 ";
         let c = parse_counters(text).unwrap();
         assert_eq!(c.requests, 7.0);
         assert_eq!(c.hit_rate(), Some(0.9));
         assert_eq!(c.preemptions, 2.0);
+        assert_eq!(c.prompt_tokens, 1234.0);
         let later = PodCounters {
             requests: 10.0,
             ..c
