@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::bloom::{CacheDelta, CacheSnapshot};
 
 /// Version of everything in this crate that crosses the wire, including the canonical hash.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Sidecar → router.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -27,6 +27,9 @@ pub enum SidecarMessage {
     TokenizerChunk(TokenizerChunk),
     /// The sidecar is going away; the connection closes after this.
     Goodbye(Goodbye),
+    /// Requests other router replicas just sent to this pod (their [`RouterMessage::Routed`]),
+    /// relayed as they arrive.
+    Placements(Placements),
 }
 
 /// Router → sidecar.
@@ -44,6 +47,10 @@ pub enum RouterMessage {
     ResyncRequest,
     /// The router is shutting down.
     Goodbye(Goodbye),
+    /// This router just sent a request to the pod: the sidecar relays it to every other router
+    /// replica, so that where a prefix was placed reaches all of them before the pod's own
+    /// events and reports can show it.
+    Routed(Routed),
 }
 
 /// Who the pod is and what its engine can do. Sent once per connection.
@@ -240,6 +247,79 @@ pub struct Refused {
 pub struct Inflight {
     pub seq: u64,
     pub requests: u32,
+}
+
+/// Most blocks of a chain carried in a placement. Longer prompts travel as their leading blocks:
+/// 8,192 blocks are 131,072 tokens at a block size of 16.
+pub const MAX_PLACEMENT_BLOCKS: usize = 8192;
+
+/// Most placements in one [`Placements`] message.
+pub const MAX_PLACEMENTS: usize = 1024;
+
+/// A prompt's canonical block-hash chain (see [`crate::hash`]), as little-endian 8-byte words:
+/// the hashes are uniformly random, so a varint would take 10 bytes for each.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PackedChain(#[serde(with = "serde_bytes")] Vec<u8>);
+
+impl PackedChain {
+    /// Packs at most [`MAX_PLACEMENT_BLOCKS`] leading hashes of `chain`.
+    pub fn new(chain: &[u64]) -> Self {
+        let kept = &chain[..chain.len().min(MAX_PLACEMENT_BLOCKS)];
+        PackedChain(kept.iter().flat_map(|h| h.to_le_bytes()).collect())
+    }
+
+    /// The words as they came, judged only when the message is decoded ([`Routed`]'s and
+    /// [`Placements`]' checks).
+    pub fn from_le_bytes(bytes: Vec<u8>) -> Self {
+        PackedChain(bytes)
+    }
+
+    /// The hashes, in chain order.
+    pub fn hashes(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.0
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8-byte words")))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len() / 8
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn validate(&self, field: &'static str) -> Result<(), InvalidField> {
+        if !self.0.len().is_multiple_of(8) {
+            return invalid(field, format!("{} bytes is not whole hashes", self.0.len()));
+        }
+        in_range(field, self.len() as u64, 0, MAX_PLACEMENT_BLOCKS as u64)
+    }
+}
+
+/// What a router sent a pod: the prompt's chain at the pod's block size, the KV blocks it newly
+/// takes there and the prompt tokens the pod is predicted to compute (as the router's own
+/// projection counts them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routed {
+    pub chain: PackedChain,
+    pub new_blocks: u32,
+    pub uncached_tokens: u32,
+}
+
+/// Placements on this pod by other router replicas.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placements {
+    pub entries: Vec<Placement>,
+}
+
+/// One relayed [`Routed`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Milliseconds between the sidecar receiving the placement and sending it on: with half
+    /// the connection's round trip, how long ago it was made, without comparing clocks.
+    pub age_ms: u32,
+    pub routed: Routed,
 }
 
 /// Why a peer is leaving.
@@ -456,15 +536,28 @@ impl SidecarMessage {
             SidecarMessage::CacheDelta(d) => d.validate(),
             SidecarMessage::TokenizerChunk(c) => c.validate(),
             SidecarMessage::Goodbye(_) => Ok(()),
+            SidecarMessage::Placements(p) => {
+                in_range(
+                    "Placements.entries",
+                    p.entries.len() as u64,
+                    0,
+                    MAX_PLACEMENTS as u64,
+                )?;
+                p.entries
+                    .iter()
+                    .try_for_each(|e| e.routed.chain.validate("Placements.entries.routed.chain"))
+            }
         }
     }
 }
 
 impl RouterMessage {
-    /// Every numeric field of a router's message is valid whatever its value (sequence numbers,
-    /// counts, versions checked separately); kept so both directions are checked the same way.
+    /// A placement's chain is whole hashes and not too long; every other numeric field of a
+    /// router's message is valid whatever its value (sequence numbers, counts, versions checked
+    /// separately).
     pub fn validate(&self) -> Result<(), InvalidField> {
         match self {
+            RouterMessage::Routed(r) => r.chain.validate("Routed.chain"),
             RouterMessage::Welcome(_)
             | RouterMessage::Refused(_)
             | RouterMessage::Inflight(_)

@@ -407,3 +407,58 @@ fn filter_messages_with_impossible_numbers_are_refused_at_decode() {
     assert_eq!(invalid_field(chunk(u64::MAX, 10)), "TokenizerChunk.offset");
     assert_eq!(invalid_field(chunk(0, u64::MAX)), "TokenizerChunk.file_len");
 }
+
+#[test]
+fn placements_carry_whole_chains_and_refuse_broken_or_endless_ones() {
+    let chain: Vec<u64> = (0..300u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    let routed = |chain: PackedChain| Routed {
+        chain,
+        new_blocks: 3,
+        uncached_tokens: 40,
+    };
+    let placements = |chains: Vec<PackedChain>| {
+        SidecarMessage::Placements(Placements {
+            entries: chains
+                .into_iter()
+                .map(|c| Placement {
+                    age_ms: 2,
+                    routed: routed(c),
+                })
+                .collect(),
+        })
+    };
+    let ok = placements(vec![PackedChain::new(&chain)]);
+    let SidecarMessage::Placements(back) = decode_sidecar(&ok).unwrap() else {
+        panic!("not placements")
+    };
+    let hashes: Vec<u64> = back.entries[0].routed.chain.hashes().collect();
+    assert_eq!(hashes, chain);
+    // 8 bytes a hash: a varint would spend 10 on most of these.
+    assert!(frame::encode(&ok).unwrap().len() < 300 * 8 + 64);
+    // A long prompt travels as its leading blocks.
+    let long: Vec<u64> = (0..MAX_PLACEMENT_BLOCKS as u64 + 5).collect();
+    assert_eq!(PackedChain::new(&long).len(), MAX_PLACEMENT_BLOCKS);
+
+    let torn = PackedChain::from_le_bytes(vec![1; 12]);
+    assert_eq!(
+        invalid_field(placements(vec![torn.clone()])),
+        "Placements.entries.routed.chain"
+    );
+    let endless = PackedChain::from_le_bytes(vec![0; (MAX_PLACEMENT_BLOCKS + 1) * 8]);
+    assert_eq!(
+        invalid_field(placements(vec![endless])),
+        "Placements.entries.routed.chain"
+    );
+    assert_eq!(
+        invalid_field(placements(vec![PackedChain::default(); MAX_PLACEMENTS + 1])),
+        "Placements.entries"
+    );
+    // The router's side is checked the same way.
+    let bytes = frame::encode(&RouterMessage::Routed(routed(torn))).unwrap();
+    match frame::decode::<RouterMessage>(&bytes, MAX_FRAME_LEN) {
+        Err(FrameError::Invalid(e)) => assert_eq!(e.field, "Routed.chain"),
+        other => panic!("a torn chain decoded as {other:?}"),
+    }
+}

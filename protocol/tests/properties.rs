@@ -171,7 +171,21 @@ fn sidecar_message() -> impl Strategy<Value = SidecarMessage> {
             reason: CloseReason::Drained,
             message: m
         })),
+        vec((any::<u32>(), routed()), 0..4).prop_map(|e| SidecarMessage::Placements(Placements {
+            entries: e
+                .into_iter()
+                .map(|(age_ms, routed)| Placement { age_ms, routed })
+                .collect()
+        })),
     ]
+}
+
+fn routed() -> impl Strategy<Value = Routed> {
+    (vec(any::<u64>(), 0..40), any::<u32>(), any::<u32>()).prop_map(|(c, new_blocks, u)| Routed {
+        chain: PackedChain::new(&c),
+        new_blocks,
+        uncached_tokens: u,
+    })
 }
 
 fn router_message() -> impl Strategy<Value = RouterMessage> {
@@ -192,6 +206,7 @@ fn router_message() -> impl Strategy<Value = RouterMessage> {
             reason: CloseReason::Shutdown,
             message: m
         })),
+        routed().prop_map(RouterMessage::Routed),
     ]
 }
 

@@ -126,7 +126,7 @@ fn hello_frame_bytes_are_pinned() {
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(hex, PINNED_HELLO);
 }
-const PINNED_HELLO: &str = "000000460002070170026e7308687474703a2f2f78010f6b7673696768742e696f2f706f6f6c0573686f727410e807018002802001801006302e33332e3001016d000005302e312e3064";
+const PINNED_HELLO: &str = "000000460003070170026e7308687474703a2f2f78010f6b7673696768742e696f2f706f6f6c0573686f727410e807018002802001801006302e33332e3001016d000005302e312e3064";
 
 /// A snapshot and a delta on the wire: the filter owns these types (`bloom.rs`) and the messages
 /// carry them, and the bytes were pinned when they moved there from `messages.rs`.
@@ -154,3 +154,25 @@ fn snapshot_and_delta_frame_bytes_are_pinned() {
 }
 const PINNED_SNAPSHOT: &str = "000000450203010240000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f";
 const PINNED_DELTA: &str = "0000000d03030401040501a602d301010c";
+
+/// A placement on the wire, both directions: the chain is little-endian words, not varints.
+#[test]
+fn placement_frame_bytes_are_pinned() {
+    let routed = Routed {
+        chain: PackedChain::new(&[1, u64::MAX]),
+        new_blocks: 2,
+        uncached_tokens: 300,
+    };
+    let hex = |bytes: Vec<u8>| -> String { bytes.iter().map(|b| format!("{b:02x}")).collect() };
+    assert_eq!(
+        hex(frame::encode(&RouterMessage::Routed(routed.clone())).unwrap()),
+        "0000001506100100000000000000ffffffffffffffff02ac02"
+    );
+    let placements = SidecarMessage::Placements(Placements {
+        entries: vec![Placement { age_ms: 5, routed }],
+    });
+    assert_eq!(
+        hex(frame::encode(&placements).unwrap()),
+        "00000017060105100100000000000000ffffffffffffffff02ac02"
+    );
+}

@@ -176,6 +176,11 @@ pub struct SchedulerConfig {
     /// Seconds a pod stays the home of a prefix after this router last sent it there (the
     /// `affinity` weight); another pod can become its home only after that. Default 120.
     pub affinity_ttl_seconds: f64,
+    /// Tell the other router replicas, through each pod's sidecar, of every request sent to
+    /// the pod, and count theirs as this router's own picks count (pending chains, projected
+    /// load, homes). Off, each replica decides on its own sends and the pods' reports only.
+    /// Default true.
+    pub share_placements: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -185,6 +190,7 @@ impl Default for SchedulerConfig {
             saturation: Saturation::default(),
             pending_ttl_seconds: 2.0,
             affinity_ttl_seconds: 120.0,
+            share_placements: true,
         }
     }
 }

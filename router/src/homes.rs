@@ -192,12 +192,51 @@ fn depths(len: usize) -> impl DoubleEndedIterator<Item = usize> {
     (0..usize::BITS - len.leading_zeros()).map(|k| (1usize << k) - 1)
 }
 
+/// Two placements of one new prefix this close together were made by router replicas that
+/// had not yet heard of each other's (the relay takes a round trip): every replica gives the
+/// home to the lower pod key, whatever order it heard them in. Placements further apart are
+/// settled by time: the earlier one keeps the home.
+pub const CLAIM_TIE: Duration = Duration::from_millis(50);
+
+/// Whether another replica's placement on `pod` at `at` takes over `home`, a live home on
+/// another pod (see [`CLAIM_TIE`]).
+fn claimed_first(at: Instant, pod: &str, home: &Home) -> bool {
+    match home.since.checked_duration_since(at) {
+        Some(earlier) if earlier > CLAIM_TIE => true,
+        _ => {
+            let gap = at
+                .checked_duration_since(home.since)
+                .unwrap_or(Duration::ZERO);
+            gap <= CLAIM_TIE && pod < &*home.pod
+        }
+    }
+}
+
 impl Homes {
     /// Records that `chain` was routed to `pod` at `now`: every depth without a live home
     /// becomes `pod`'s, and `pod`'s own are refreshed. Depths another pod owns stay its own.
     pub fn record(&mut self, pod: &str, chain: &[u64], now: Instant, ttl: Duration) {
+        self.record_from(pod, chain, now, ttl, false);
+    }
+
+    /// Records a placement another router replica made (relayed by the pod's sidecar) as
+    /// [`Self::record`] does, except that a live home this replica gave another pod passes to
+    /// `pod` when the other replica placed it first (see [`CLAIM_TIE`]): replicas that placed
+    /// a new prefix about together end up agreeing on one home. Returns the depths handed over.
+    pub fn record_peer(&mut self, pod: &str, chain: &[u64], at: Instant, ttl: Duration) -> usize {
+        self.record_from(pod, chain, at, ttl, true)
+    }
+
+    fn record_from(
+        &mut self,
+        pod: &str,
+        chain: &[u64],
+        now: Instant,
+        ttl: Duration,
+        peer: bool,
+    ) -> usize {
         if chain.is_empty() {
-            return;
+            return 0;
         }
         // Aged first: the prune's recount uses the same `now`.
         self.age(now);
@@ -226,7 +265,7 @@ impl Homes {
                 k
             }
         };
-        let (mut gained, mut grown) = (0, 0u64);
+        let (mut gained, mut grown, mut handovers) = (0, 0u64, 0);
         let mut fresh = Vec::new();
         for d in depths(chain.len()) {
             let new = Home {
@@ -240,9 +279,14 @@ impl Homes {
                 // Sent again, home or elsewhere for load (it is still asked for: a home whose
                 // tenants moved for load must not look roomy and draw more). Counted from now
                 // on, if it was not while fresh.
-                Some(home) if home.pod == pod || now.saturating_duration_since(home.at) <= ttl => {
+                Some(home)
+                    if home.pod == pod
+                        || (now.saturating_duration_since(home.at) <= ttl
+                            && !(peer && claimed_first(now, &pod, home))) =>
+                {
                     if home.pod == pod {
-                        home.at = now;
+                        // A relayed placement may be older than this router's last send.
+                        home.at = home.at.max(now);
                     }
                     if !home.reused {
                         if !home.counted(now)
@@ -254,7 +298,12 @@ impl Homes {
                     }
                     continue;
                 }
-                Some(home) => Some(std::mem::replace(home, new)),
+                Some(home) => {
+                    if now.saturating_duration_since(home.at) <= ttl {
+                        handovers += 1;
+                    }
+                    Some(std::mem::replace(home, new))
+                }
                 None => {
                     self.map.insert(chain[d], new);
                     None
@@ -277,6 +326,7 @@ impl Homes {
             e.working_set += grown;
             e.fresh.extend(fresh);
         }
+        handovers
     }
 
     /// How many prefix depths `pod` is the home of (expired ones until the next prune, at
@@ -380,6 +430,59 @@ mod tests {
 
     fn chain(tenant: u64, len: usize) -> Vec<u64> {
         (0..len as u64).map(|i| tenant << 32 | i).collect()
+    }
+
+    /// Two replicas placed one new prefix on different pods before hearing of each other: once
+    /// each has heard the other's placement, both name the same home — the lower pod key when
+    /// the two were about simultaneous, else the earlier placement — whatever order the relays
+    /// arrived in. Their working sets agree too.
+    #[test]
+    fn replicas_that_placed_a_prefix_about_together_agree_on_one_home() {
+        let t0 = Instant::now();
+        let c = chain(9, 40);
+        let ms = Duration::from_millis;
+        for (a_at, b_at, winner) in [
+            (ms(0), ms(3), "pod-a"),   // a tie: the lower key
+            (ms(3), ms(0), "pod-a"),   // a tie either way round
+            (ms(200), ms(0), "pod-b"), // b clearly first
+            (ms(0), ms(200), "pod-a"), // a clearly first
+        ] {
+            let (mut a, mut b) = (Homes::default(), Homes::default());
+            a.record("pod-a", &c, t0 + a_at, TTL);
+            b.record("pod-b", &c, t0 + b_at, TTL);
+            let handed = a.record_peer("pod-b", &c, t0 + b_at, TTL)
+                + b.record_peer("pod-a", &c, t0 + a_at, TTL);
+            assert_eq!(handed, 6, "one side hands over all six depths");
+            let now = t0 + ms(300);
+            for h in [&a, &b] {
+                assert_eq!(h.find(&c, now, TTL).unwrap().pod, winner);
+                assert_eq!(h.working_set(winner), 32);
+                let loser = if winner == "pod-a" { "pod-b" } else { "pod-a" };
+                assert_eq!(h.working_set(loser), 0);
+            }
+        }
+    }
+
+    /// A standing home is not moved by another replica's later send elsewhere (for load), nor by
+    /// this replica's own; a peer's send to the home refreshes it.
+    #[test]
+    fn a_standing_home_stays_when_another_replica_sends_the_prefix_elsewhere() {
+        let (mut h, t0) = (Homes::default(), Instant::now());
+        let c = chain(3, 16);
+        h.record("pod-b", &c, t0, TTL);
+        assert_eq!(
+            h.record_peer("pod-a", &c, t0 + Duration::from_secs(5), TTL),
+            0
+        );
+        h.record("pod-a", &c, t0 + Duration::from_secs(6), TTL);
+        assert_eq!(
+            h.find(&c, t0 + Duration::from_secs(7), TTL).unwrap().pod,
+            "pod-b"
+        );
+        // Kept alive by the other replica's sends home, past this one's TTL.
+        h.record_peer("pod-b", &c, t0 + Duration::from_secs(100), TTL);
+        let later = t0 + Duration::from_secs(200);
+        assert_eq!(h.find(&c, later, TTL).unwrap().pod, "pod-b");
     }
 
     #[test]

@@ -45,6 +45,10 @@ pub struct Metrics {
     pub added_latency_seconds: Histogram,
     /// Pods left out of picks by the saturation rule.
     pub saturation_skips: Counter,
+    /// Placements shared with the other replicas through the pods' sidecars, by outcome.
+    placements: Family<Labels, Counter>,
+    /// Prefix depths whose home passed to another replica's earlier placement.
+    pub home_handovers: Counter,
     /// Sidecar connections refused, by reason (handshake, version, protocol).
     sidecars_refused: Family<Labels, Counter>,
     pub retries: Family<Labels, Counter>,
@@ -97,6 +101,8 @@ impl Metrics {
             // 10 µs .. ~1.3 s
             added_latency_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 18)),
             saturation_skips: Counter::default(),
+            placements: Family::default(),
+            home_handovers: Counter::default(),
             sidecars_refused: Family::default(),
             retries: Family::default(),
             stream_cuts: Family::default(),
@@ -167,6 +173,21 @@ impl Metrics {
             "Pods left out of picks by the saturation rule (busy or tight pods that would start \
              the request later than the best free pod; full pods while one is not full)",
             m.saturation_skips.clone(),
+        );
+        prom.register(
+            "kvsight_router_placements",
+            "Requests sent to pods as told to the other router replicas through the pods' \
+             sidecars, by outcome: shared (this replica's, handed to the sidecar), unsent (the \
+             connection's queue was full: the other replicas never hear of it), received (the \
+             other replicas' own)",
+            m.placements.clone(),
+        );
+        prom.register(
+            "kvsight_router_home_handovers",
+            "Prefix depths whose home this replica gave one pod and then handed to another \
+             replica's placement of the same prefix made about together (each replica settles \
+             such a race the same way)",
+            m.home_handovers.clone(),
         );
         prom.register(
             "kvsight_router_sidecars_refused",
@@ -274,6 +295,12 @@ impl Metrics {
         self.sight_engine_tokens.get_or_create(&l).inc_by(engine);
         self.sight_error_tokens
             .observe(f64::from(predicted) - engine as f64);
+    }
+
+    pub fn placements(&self, outcome: &'static str, n: u64) {
+        self.placements
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc_by(n);
     }
 
     pub fn sidecar_refused(&self, reason: &'static str) {

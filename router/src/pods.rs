@@ -1,5 +1,11 @@
 //! What this router replica knows about each pod: the sidecar's `Hello`, its latest `Load`, its
-//! Bloom filter, and what this router sent it since that load was sampled.
+//! Bloom filter, what this router sent it since that load was sampled, and what the other
+//! router replicas sent it, as its sidecar relays their placements.
+//!
+//! Replicas: every pick is handed to the pod's connection ([`Outbox`]) and relayed by the
+//! sidecar to every other replica, which applies it as its own pick would count — pending chain,
+//! projected load, the prefix's home ([`Registry::apply_placements`]). What decides where a
+//! prefix goes thus reaches every replica within a round trip, not a report later.
 //!
 //! The registry is sans-I/O: the QUIC listener feeds it messages, the scheduler reads it and
 //! records its picks. Time is passed in, so every rule here is testable without a clock.
@@ -16,7 +22,13 @@ use std::time::{Duration, Instant};
 
 use crate::homes::Homes;
 use kvsight_protocol::bloom::{BloomFilter, FilterError, PreparedChain};
-use kvsight_protocol::messages::{CacheDelta, CacheSnapshot, Hello, Load, Phase};
+use kvsight_protocol::messages::{
+    CacheDelta, CacheSnapshot, Hello, Load, PackedChain, Phase, Placement, Routed,
+};
+
+/// Where this router's picks for a pod go to be relayed to the other replicas: the pod's QUIC
+/// session drains it. Bounded: a pick never waits for it.
+pub type Outbox = tokio::sync::mpsc::Sender<Routed>;
 
 /// Identifies one accepted connection; stale messages carry an old id.
 pub type ConnId = u64;
@@ -39,6 +51,34 @@ pub struct Picked<'a> {
     pub uncached_tokens: u32,
     /// The prompt's chain, remembered as pending (empty when the pod caches nothing).
     pub chain: &'a [u64],
+    /// Relay the pick to the other router replicas (`scheduler.sharePlacements`).
+    pub share: bool,
+}
+
+/// What a relayed placement tells this router (see [`Registry::apply_placements`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerPolicy {
+    /// `scheduler.pendingTtlSeconds`.
+    pub pending_ttl: Duration,
+    /// `scheduler.affinityTtlSeconds` while homes are used; `None`: they are not.
+    pub homes_ttl: Option<Duration>,
+}
+
+/// What [`Registry::apply_placements`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlacementsApplied {
+    pub placements: usize,
+    /// Prefix depths whose home this router had given one pod and now gives to another
+    /// replica's pod (placed about together, see [`crate::homes`]).
+    pub handovers: usize,
+}
+
+/// A request another router replica sent to the pod, as its sidecar relayed it.
+#[derive(Debug, Clone, Copy)]
+struct PeerSent {
+    at: Instant,
+    new_blocks: u32,
+    uncached_tokens: u32,
 }
 
 /// A request this router sent to the pod, remembered until a load sample includes it.
@@ -84,6 +124,11 @@ pub struct Pod {
     /// When each of this router's streamed requests here that has not had its first event yet
     /// was sent, oldest first (see [`Pod::oldest_awaiting`]).
     awaiting: VecDeque<Instant>,
+    /// Other replicas' sends, in time order, until a load sample includes them. Their finishes
+    /// are not known here, so they count until that sample (a short request a moment too long).
+    peer_sent: VecDeque<PeerSent>,
+    /// Where this router's picks go to reach the other replicas, while the pod is connected.
+    outbox: Option<Outbox>,
 }
 
 /// A routed prompt's chain and when it stops counting.
@@ -211,6 +256,15 @@ impl Pod {
             .filter(|(at, _)| *at <= sample.sampled_at)
             .count();
         let finished = u32::try_from(finished).unwrap_or(u32::MAX);
+        // Other replicas' sends the sample cannot include yet.
+        let first_peer = self.peer_sent.partition_point(|s| s.at <= counted);
+        let (mut peers, mut blocks, mut uncached) = (0u32, blocks, uncached);
+        for s in self.peer_sent.range(first_peer..) {
+            peers += 1;
+            blocks += u64::from(s.new_blocks);
+            uncached += u64::from(s.uncached_tokens);
+        }
+        let n = n.saturating_add(peers);
         let slots = self.hello.engine.max_num_seqs.max(1);
         let l = &sample.load;
         let total = l.running.saturating_sub(finished).saturating_add(n);
@@ -243,6 +297,54 @@ impl Pod {
         self.awaiting
             .front()
             .map_or(Duration::ZERO, |&at| now.saturating_duration_since(at))
+    }
+
+    /// Folds a routed request's uncached prompt tokens into [`Self::mean_uncached_tokens`].
+    fn note_uncached(&mut self, tokens: u32) {
+        let u = f64::from(tokens);
+        self.mean_uncached_tokens =
+            Some(self.mean_uncached_tokens.map_or(u, |m| 0.9 * m + 0.1 * u));
+    }
+
+    /// Remembers `chain` as pending here until `expires`, unless the filter already holds it
+    /// (its last block resident: the filter speaks for it and will also show its eviction).
+    fn add_pending(&mut self, chain: &[u64], now: Instant, expires: Instant) {
+        let Some(&first) = chain.first() else { return };
+        if let (Some(f), Some(&last)) = (&self.filter, chain.last())
+            && f.contains(last)
+        {
+            return;
+        }
+        if self.pending_chains >= MAX_PENDING_CHAINS {
+            self.pending.retain(|_, chains| {
+                chains.retain(|(_, exp)| *exp > now);
+                !chains.is_empty()
+            });
+            self.pending_chains = self.pending.values().map(Vec::len).sum();
+            if self.pending_chains >= MAX_PENDING_CHAINS {
+                // Still full of live entries: forget the soonest to expire.
+                if let Some(chains) = self.pending.values_mut().max_by_key(|c| c.len()) {
+                    chains.remove(0);
+                    self.pending_chains -= 1;
+                }
+            }
+        }
+        let chains = self.pending.entry(first).or_default();
+        let before = chains.len();
+        chains.retain(|(_, exp)| *exp > now);
+        // The same prompt again (a burst of one prefix): refresh it rather than keep copies, and
+        // keep only the newest few per first block, because every pick compares its chain with
+        // each of them.
+        if let Some(same) = chains.iter_mut().find(|(c, _)| c[..] == chain[..]) {
+            same.1 = same.1.max(expires);
+        } else {
+            chains.push((Arc::from(chain), expires));
+            if chains.len() > MAX_PENDING_PER_FIRST_BLOCK {
+                chains.remove(0);
+            }
+        }
+        let after = chains.len();
+        self.pending_chains = self.pending_chains + after - before;
     }
 
     /// Forgets one awaiting request sent at `sent_at`, if it is there.
@@ -370,6 +472,8 @@ impl Registry {
             pending_chains: 0,
             mean_uncached_tokens: None,
             awaiting: VecDeque::new(),
+            peer_sent: VecDeque::new(),
+            outbox: None,
         };
         // A replaced pod keeps this router's in-flight count: those requests are still running.
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
@@ -411,6 +515,9 @@ impl Registry {
         let counted = sampled_at.checked_sub(ADMISSION_LAG).unwrap_or(sampled_at);
         while pod.sent.front().is_some_and(|s| s.at <= counted) {
             pod.sent.pop_front();
+        }
+        while pod.peer_sent.front().is_some_and(|s| s.at <= counted) {
+            pod.peer_sent.pop_front();
         }
         // Requests finished before the sample are not in it; those finished since may be.
         pod.finished.retain(|(_, done)| *done > sampled_at);
@@ -460,16 +567,21 @@ impl Registry {
 
     /// Records that a request was routed to `key`: in flight, sent since the last sample (with
     /// the blocks it adds and the prompt tokens it makes the pod compute), its chain pending
-    /// until `now + ttl`, picked at `now`.
-    pub fn record_pick(&mut self, key: &str, pick: &Picked<'_>, now: Instant, ttl: Duration) {
-        let Some(pod) = self.pods.get_mut(key) else {
-            return;
-        };
+    /// until `now + ttl`, picked at `now`; and hands it to the pod's [`Outbox`] when
+    /// `pick.share`. Returns whether it was handed over (`None`: not shared or no connection;
+    /// `Some(false)`: the outbox was full and the other replicas will not hear of it).
+    pub fn record_pick(
+        &mut self,
+        key: &str,
+        pick: &Picked<'_>,
+        now: Instant,
+        ttl: Duration,
+    ) -> Option<bool> {
+        let pod = self.pods.get_mut(key)?;
         let (new_blocks, chain) = (pick.new_blocks, pick.chain);
         pod.inflight += 1;
         pod.last_picked = Some(now);
-        let u = f64::from(pick.uncached_tokens);
-        pod.mean_uncached_tokens = Some(pod.mean_uncached_tokens.map_or(u, |m| 0.9 * m + 0.1 * u));
+        pod.note_uncached(pick.uncached_tokens);
         let back = pod.sent.back();
         let cum_blocks = back.map_or(0, |s| s.cum_blocks) + u64::from(new_blocks);
         let cum_uncached = back.map_or(0, |s| s.cum_uncached) + u64::from(pick.uncached_tokens);
@@ -484,44 +596,74 @@ impl Registry {
         while pod.sent.len() > 4096 {
             pod.sent.pop_front();
         }
-        let Some(&first) = chain.first() else { return };
-        // Already resident (its last block is in the pod's filter): nothing to remember, the
-        // filter speaks for it and will also show its eviction.
-        if let (Some(f), Some(&last)) = (&pod.filter, chain.last())
-            && f.contains(last)
-        {
-            return;
+        pod.add_pending(chain, now, now + ttl);
+        let outbox = pod.outbox.as_ref().filter(|_| pick.share)?;
+        Some(
+            outbox
+                .try_send(Routed {
+                    chain: PackedChain::new(chain),
+                    new_blocks,
+                    uncached_tokens: pick.uncached_tokens,
+                })
+                .is_ok(),
+        )
+    }
+
+    /// Hands this router's picks for `key` to `outbox` while `conn` owns the pod.
+    pub fn attach_outbox(&mut self, key: &str, conn: ConnId, outbox: Outbox) {
+        if let Ok(pod) = self.owned(key, conn) {
+            pod.outbox = Some(outbox);
         }
-        if pod.pending_chains >= MAX_PENDING_CHAINS {
-            pod.pending.retain(|_, chains| {
-                chains.retain(|(_, exp)| *exp > now);
-                !chains.is_empty()
-            });
-            pod.pending_chains = pod.pending.values().map(Vec::len).sum();
-            if pod.pending_chains >= MAX_PENDING_CHAINS {
-                // Still full of live entries: forget the soonest to expire.
-                if let Some(chains) = pod.pending.values_mut().max_by_key(|c| c.len()) {
-                    chains.remove(0);
-                    pod.pending_chains -= 1;
-                }
+    }
+
+    /// Applies placements other replicas made on `key`, relayed by its sidecar and received at
+    /// `now`, `transit` after the sidecar sent them (half the round trip): each counts in the
+    /// pod's projected load until a sample includes it, its chain is pending for
+    /// `pending_ttl` from when it was made, and it is recorded for the prefix's home as this
+    /// router's own pick would be (a near-simultaneous placement of a new prefix elsewhere is
+    /// settled the same way on every replica: [`crate::homes`]).
+    pub fn apply_placements(
+        &mut self,
+        key: &str,
+        conn: ConnId,
+        entries: &[Placement],
+        now: Instant,
+        transit: Duration,
+        policy: PeerPolicy,
+    ) -> Result<PlacementsApplied, RegistryError> {
+        let pod = self.owned(key, conn)?;
+        let mut done = PlacementsApplied::default();
+        let mut chains: Vec<(Vec<u64>, Instant)> = Vec::with_capacity(entries.len());
+        for e in entries {
+            let age = Duration::from_millis(u64::from(e.age_ms)) + transit;
+            let at = now.checked_sub(age).unwrap_or(now);
+            let r = &e.routed;
+            let sent = PeerSent {
+                at,
+                new_blocks: r.new_blocks,
+                uncached_tokens: r.uncached_tokens,
+            };
+            let i = pod.peer_sent.partition_point(|s| s.at <= at);
+            pod.peer_sent.insert(i, sent);
+            while pod.peer_sent.len() > 4096 {
+                pod.peer_sent.pop_front();
+            }
+            pod.last_picked = pod.last_picked.max(Some(at));
+            pod.note_uncached(r.uncached_tokens);
+            let chain: Vec<u64> = r.chain.hashes().collect();
+            let expires = at + policy.pending_ttl;
+            if expires > now {
+                pod.add_pending(&chain, now, expires);
+            }
+            chains.push((chain, at));
+            done.placements += 1;
+        }
+        if let Some(ttl) = policy.homes_ttl {
+            for (chain, at) in &chains {
+                done.handovers += self.homes.record_peer(key, chain, *at, ttl);
             }
         }
-        let chains = pod.pending.entry(first).or_default();
-        let before = chains.len();
-        chains.retain(|(_, exp)| *exp > now);
-        // The same prompt again (a burst of one prefix): refresh it rather than keep copies, and
-        // keep only the newest few per first block, because every pick compares its chain with
-        // each of them.
-        if let Some(same) = chains.iter_mut().find(|(c, _)| c[..] == chain[..]) {
-            same.1 = now + ttl;
-        } else {
-            chains.push((Arc::from(chain), now + ttl));
-            if chains.len() > MAX_PENDING_PER_FIRST_BLOCK {
-                chains.remove(0);
-            }
-        }
-        let after = chains.len();
-        pod.pending_chains = pod.pending_chains + after - before;
+        Ok(done)
     }
 
     /// Records that a prompt's chain was routed to `key` for the `affinity` scorer and the

@@ -639,6 +639,11 @@ fn run_pick(state: &State, live: &Live, req: &PickRequest<'_>) -> Result<Decisio
             .metrics
             .saturation_skips
             .inc_by(d.saturation_skipped as u64);
+        match d.placement_shared {
+            Some(true) => state.metrics.placements("shared", 1),
+            Some(false) => state.metrics.placements("unsent", 1),
+            None => {}
+        }
     }
     if let Ok(d) = &result
         && d.chain_len > 0

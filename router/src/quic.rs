@@ -21,6 +21,7 @@ use kvsight_protocol::{
     SidecarMessage, TokenizerRequest, Welcome,
 };
 use kvsight_transport::{FramedRecv, FramedSend, TransportError};
+use tokio::sync::mpsc;
 
 use crate::config::PodsConfig;
 use crate::pods::RegistryError;
@@ -32,6 +33,9 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 pub const GOODBYE_GRACE: Duration = Duration::from_millis(300);
 /// Bound on waiting for sidecars to acknowledge the close at shutdown.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Picks queued for one pod's sidecar before new ones are dropped (counted as unsent): a
+/// second of a busy pod's requests.
+pub const OUTBOX: usize = 1024;
 
 /// Accepts sidecars until `stop` is cancelled, then closes every connection with
 /// [`CloseReason::Shutdown`].
@@ -298,6 +302,8 @@ impl Session<'_> {
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut seq = 0u64;
         let mut resync_sent = false;
+        let (outbox, mut picks) = mpsc::channel(OUTBOX);
+        state.registry().attach_outbox(key, conn_id, outbox);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => {
@@ -311,6 +317,9 @@ impl Session<'_> {
                     let _ = timeout(GOODBYE_GRACE, conn.closed()).await;
                     close(conn, CloseReason::Shutdown, "router shutting down");
                     return Ok(());
+                }
+                Some(routed) = picks.recv() => {
+                    send.send(&RouterMessage::Routed(routed)).await?;
                 }
                 _ = tick.tick() => {
                     seq += 1;
@@ -359,6 +368,19 @@ impl Session<'_> {
                             }
                             Ok(())
                         }
+                        SidecarMessage::Placements(p) => match state.live().scheduler.peer_policy() {
+                            Some(policy) => {
+                                let transit = conn.rtt() / 2;
+                                let applied = state.registry().apply_placements(
+                                    key, conn_id, &p.entries, now, transit, policy,
+                                );
+                                applied.map(|done| {
+                                    state.metrics.placements("received", done.placements as u64);
+                                    state.metrics.home_handovers.inc_by(done.handovers as u64);
+                                })
+                            }
+                            None => Ok(()),
+                        },
                         SidecarMessage::Goodbye(g) => {
                             info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
                             return Ok(());

@@ -1225,3 +1225,129 @@ fn a_home_carrying_most_of_the_load_claims_nothing() {
     let d = pick(&mut setup(0));
     assert_ne!(d.pod, "ns/pod-0", "{d:?}");
 }
+
+/// Two router replicas over the same pods, each with its own registry; every pick's placement
+/// queued for the other as the pod's sidecar would relay it.
+struct Replicas {
+    sides: [Cluster; 2],
+    outboxes: [Vec<tokio::sync::mpsc::Receiver<Routed>>; 2],
+}
+
+impl Replicas {
+    fn new(pods: usize) -> Self {
+        let mut sides = [Cluster::new(pods, true), Cluster::new(pods, true)];
+        let outboxes = [0, 1].map(|r| {
+            let c = &mut sides[r];
+            c.conns
+                .clone()
+                .into_iter()
+                .map(|(key, conn)| {
+                    let (tx, rx) = tokio::sync::mpsc::channel(64);
+                    c.reg.attach_outbox(&key, conn, tx);
+                    rx
+                })
+                .collect()
+        });
+        Replicas { sides, outboxes }
+    }
+
+    /// Replica `from`'s placements so far reach the other replica `after` their making.
+    fn relay(&mut self, from: usize, after: Duration) -> usize {
+        let to = 1 - from;
+        let mut n = 0;
+        for (i, rx) in self.outboxes[from].iter_mut().enumerate() {
+            let mut entries = Vec::new();
+            while let Ok(routed) = rx.try_recv() {
+                entries.push(Placement {
+                    age_ms: after.as_millis() as u32,
+                    routed,
+                });
+            }
+            n += entries.len();
+            let c = &mut self.sides[to];
+            let (key, conn) = c.conns[i].clone();
+            let policy = with_affinity(3.0).peer_policy().unwrap();
+            c.reg
+                .apply_placements(&key, conn, &entries, c.now, Duration::ZERO, policy)
+                .unwrap();
+        }
+        n
+    }
+}
+
+/// Replicas pick on their own sends and the pods' reports; a tenant whose requests arrive
+/// through different replicas lands wherever each replica's own memory points, and in a
+/// KV-starved fleet every such copy evicts another tenant. With placements relayed through the
+/// sidecars, a replica follows a prefix another one placed before any report could show it —
+/// even when its own traffic makes it prefer another pod for a new prefix.
+#[test]
+fn a_replica_follows_a_prefix_another_replica_placed_before_any_report() {
+    let s = with_affinity(3.0);
+    let (tenant, other) = (prompt(21, 1200), prompt(22, 1200));
+    for share in [true, false] {
+        let mut r = Replicas::new(3);
+        // Replica 1 places another tenant; replica 0, not yet told, places this one.
+        let other_pod = r.sides[1].pick(&s, &other).unwrap();
+        let home = r.sides[0].pick(&s, &tenant).unwrap();
+        assert_eq!(
+            home, other_pod,
+            "both chose the same empty pod by themselves"
+        );
+        if share {
+            assert_eq!(r.relay(0, Duration::from_millis(2)), 1);
+            assert_eq!(r.relay(1, Duration::from_millis(2)), 1);
+        }
+        // The tenant's next request arrives through replica 1.
+        let d = {
+            let req = req(&tenant);
+            s.pick(&mut r.sides[1].reg, &req, r.sides[1].now).unwrap()
+        };
+        if share {
+            assert_eq!(d.pod, home, "follows the other replica's placement: {d:?}");
+            assert_eq!(
+                d.matched_blocks, d.chain_len,
+                "its chain is pending there: {d:?}"
+            );
+            assert_eq!(d.placement_shared, Some(true));
+            // Both replicas' homes agree, and both count both tenants in that pod's working set.
+            for c in &r.sides {
+                let chain = hash_chain(&ChainSeed::BASE, &tenant, BS as usize);
+                let found = c.reg.homes().find(&chain, c.now, Duration::from_secs(120));
+                assert_eq!(found.map(|f| f.pod), Some(home.as_str()));
+                assert_eq!(c.reg.homes().working_set(&home), 128);
+            }
+        } else {
+            assert_ne!(d.pod, home, "its own memory points elsewhere: {d:?}");
+            assert_eq!(d.placement_shared, Some(true), "queued, never relayed here");
+        }
+    }
+}
+
+/// Another replica's sends count in a pod's projected load, as this router's own do, until a
+/// report sampled after them (and the admission lag) includes them.
+#[test]
+fn another_replicas_sends_count_as_load_until_a_report_includes_them() {
+    let s = with_affinity(3.0);
+    let mut r = Replicas::new(2);
+    for k in 0..3 {
+        r.sides[0].pick(&s, &prompt(30 + k, 800)).unwrap();
+    }
+    assert_eq!(r.relay(0, Duration::from_millis(5)), 3);
+    let key = "ns/pod-0";
+    let peer_view = r.sides[1].reg.get(key).unwrap().projection();
+    let own_view = r.sides[0].reg.get(key).unwrap().projection();
+    let picked_here = own_view.sent_since_sample;
+    assert!(picked_here > 0, "{own_view:?}");
+    assert_eq!(peer_view.sent_since_sample, picked_here, "{peer_view:?}");
+    assert_eq!(peer_view.sent_prefill_tokens, own_view.sent_prefill_tokens);
+    assert!((peer_view.kv_usage - own_view.kv_usage).abs() < 1e-9);
+    // A report sampled well after them: the engine's own numbers include them now.
+    r.sides[1].now += Duration::from_millis(500);
+    r.sides[1].report(0, load(3, 0, 0.2));
+    let after = r.sides[1].reg.get(key).unwrap().projection();
+    assert_eq!(
+        (after.sent_since_sample, after.running),
+        (0, 3),
+        "{after:?}"
+    );
+}

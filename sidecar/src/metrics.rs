@@ -34,6 +34,9 @@ pub struct Metrics {
     /// Looks at changed TLS files, by outcome (applied, unchanged, rejected).
     pub tls_reloads: Family<Labels, Counter>,
     pub publish_bytes: Counter,
+    /// Placements routers reported (`received`), sent on to the other routers (`relayed`), and
+    /// lost by a connection that fell behind the relay (`dropped`).
+    pub placements: Family<Labels, Counter>,
     /// 1 for the current phase, 0 for the others.
     pub phase: Family<Labels, Gauge>,
     pub unrouted_requests: Gauge,
@@ -66,6 +69,7 @@ impl Metrics {
             router_errors: Family::default(),
             tls_reloads: Family::default(),
             publish_bytes: Counter::default(),
+            placements: Family::default(),
             phase: Family::default(),
             unrouted_requests: Gauge::default(),
             warmup_seconds: Gauge::default(),
@@ -125,6 +129,12 @@ impl Metrics {
             "Bytes sent to routers",
             m.publish_bytes.clone(),
         );
+        r.register(
+            "placements",
+            "Requests routers reported sending here, by outcome: received, relayed to another \
+             router replica, or dropped by a connection that fell behind",
+            m.placements.clone(),
+        );
         r.register("phase", "1 for the current phase", m.phase.clone());
         r.register(
             "unrouted_requests",
@@ -177,6 +187,12 @@ impl Metrics {
         self.tls_reloads
             .get_or_create(&vec![("outcome", outcome.to_owned())])
             .inc();
+    }
+
+    pub fn count_placements(&self, outcome: &'static str, n: u64) {
+        self.placements
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc_by(n);
     }
 
     pub fn count_router_error(&self, reason: &str) {

@@ -7,6 +7,12 @@
 //! under the same lock is always consistent with the deltas that follow it. A connection that
 //! falls behind the broadcast (or sees a version it cannot chain) sends a fresh snapshot.
 //!
+//! Placements: each router reports every request it sends here ([`RouterMessage::Routed`]);
+//! the publisher relays it at once to every *other* router connection ([`Placements`]), so
+//! router replicas learn where each other placed a prefix within a round trip, long before the
+//! engine's events or the next load report could show it. A connection that falls behind the
+//! relay loses the oldest placements (counted): they are hints, the filter stays the truth.
+//!
 //! Addresses: a router name resolves to every replica; names are re-resolved periodically, new
 //! addresses get a connection and vanished ones are closed. Each connection reconnects on its own
 //! with exponential backoff and jitter, so a refused or unreachable router (a certificate not from
@@ -19,8 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvsight_protocol::messages::{
-    CacheDelta, CloseReason, Goodbye, Hello, Inflight, Load, RouterMessage, SidecarMessage,
-    TokenizerInfo,
+    CacheDelta, CloseReason, Goodbye, Hello, Inflight, Load, MAX_PLACEMENTS, Placement, Placements,
+    Routed, RouterMessage, SidecarMessage, TokenizerInfo,
 };
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, TransportError};
@@ -34,6 +40,9 @@ use crate::state::Shared;
 
 /// Deltas buffered per connection before it counts as fallen behind (≈3 s at 50 ms).
 const DELTA_BACKLOG: usize = 64;
+/// Placements buffered for relay per connection before the oldest are dropped: seconds of
+/// traffic at thousands of requests per second.
+const PLACEMENT_BACKLOG: usize = 8192;
 /// First reconnect delay; doubles up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -67,7 +76,17 @@ pub struct Publisher {
     hello: Hello,
     tokenizer: Option<Arc<TokenizerFiles>>,
     deltas: broadcast::Sender<Arc<CacheDelta>>,
+    placements: broadcast::Sender<Arc<Relayed>>,
     next_connection: AtomicU64,
+}
+
+/// A placement one router connection reported, on its way to the others.
+#[derive(Debug)]
+struct Relayed {
+    /// The connection it came from (not sent back there).
+    from: u64,
+    at: Instant,
+    routed: Routed,
 }
 
 impl Publisher {
@@ -88,6 +107,7 @@ impl Publisher {
             hello,
             tokenizer: tokenizer.map(Arc::new),
             deltas: broadcast::channel(DELTA_BACKLOG).0,
+            placements: broadcast::channel(PLACEMENT_BACKLOG).0,
             next_connection: AtomicU64::new(0),
         })
     }
@@ -302,6 +322,7 @@ impl Publisher {
 
         // Subscribe before the snapshot so that no delta after it is missed.
         let mut deltas = self.deltas.subscribe();
+        let mut placements = self.placements.subscribe();
         let mut version = self.send_snapshot(&mut tx, &mut sent).await?;
         let mut load_rx = self.shared.load.subscribe();
         let mut load_seq = 0u64;
@@ -352,6 +373,15 @@ impl Publisher {
                     Some(RouterMessage::ResyncRequest) => {
                         version = self.send_snapshot(&mut tx, &mut sent).await?;
                     }
+                    Some(RouterMessage::Routed(routed)) => {
+                        metrics.count_placements("received", 1);
+                        // No other router connected is fine: nobody to tell.
+                        let _ = self.placements.send(Arc::new(Relayed {
+                            from: id,
+                            at: Instant::now(),
+                            routed,
+                        }));
+                    }
                     Some(RouterMessage::Goodbye(g)) => {
                         tracing::info!(router = %addr, reason = ?g.reason, "router said goodbye");
                         return Ok(());
@@ -385,6 +415,19 @@ impl Publisher {
                         sent(tx.send(&stamp(sample.load, load_seq, sample.sampled_at)).await?);
                     }
                 }
+                p = placements.recv() => match p {
+                    Ok(first) => {
+                        let batch = relay_batch(first, &mut placements, id, metrics);
+                        if !batch.is_empty() {
+                            metrics.count_placements("relayed", batch.len() as u64);
+                            sent(tx.send(&SidecarMessage::Placements(Placements { entries: batch })).await?);
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        metrics.count_placements("dropped", n);
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return Ok(()),
+                },
             }
         }
     }
@@ -399,6 +442,38 @@ impl Publisher {
         sent(tx.send(&SidecarMessage::CacheSnapshot(snapshot)).await?);
         Ok(version)
     }
+}
+
+/// `first` and whatever else is already queued for this connection (at most
+/// [`MAX_PLACEMENTS`]), minus its own, each stamped with its age now.
+fn relay_batch(
+    first: Arc<Relayed>,
+    rx: &mut broadcast::Receiver<Arc<Relayed>>,
+    id: u64,
+    metrics: &crate::metrics::Metrics,
+) -> Vec<Placement> {
+    let mut batch = Vec::new();
+    let mut next = Some(first);
+    while let Some(r) = next.take() {
+        if r.from != id {
+            batch.push(Placement {
+                age_ms: u32::try_from(r.at.elapsed().as_millis()).unwrap_or(u32::MAX),
+                routed: r.routed.clone(),
+            });
+        }
+        if batch.len() >= MAX_PLACEMENTS {
+            break;
+        }
+        next = match rx.try_recv() {
+            Ok(r) => Some(r),
+            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                metrics.count_placements("dropped", n);
+                rx.try_recv().ok()
+            }
+            Err(_) => None,
+        };
+    }
+    batch
 }
 
 fn stamp(mut load: Load, seq: u64, sampled_at: Instant) -> SidecarMessage {

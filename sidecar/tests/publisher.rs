@@ -543,3 +543,52 @@ async fn tokenizer_chunks_inflight_resync_and_goodbye() {
     };
     assert_eq!(bye.reason, CloseReason::Drained);
 }
+
+/// The next `Placements` router `r` is sent, skipping everything else.
+async fn placements(r: &mut TestRouter) -> Vec<Placement> {
+    loop {
+        if let (_, SidecarMessage::Placements(p)) = r.message(false).await {
+            return p.entries;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_routers_placement_is_relayed_to_every_other_router_and_not_back() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let tls = ca.material("router", &["127.0.0.1"]).unwrap();
+    let mut a = TestRouter::start(&tls, "127.0.0.1:0", None);
+    let mut b = TestRouter::start(&tls, "127.0.0.1:0", None);
+    let mut c = TestRouter::start(&tls, "127.0.0.1:0", None);
+    let side = start_sidecar(
+        ca.material("pod-0", &["pod-0"]).unwrap(),
+        &[a.addr, b.addr, c.addr],
+        None,
+    );
+    let (_, to_a) = a.connected().await;
+    let (_, to_b) = b.connected().await;
+    let _ = c.connected().await;
+    let routed = |first: u64, n: u64| Routed {
+        chain: PackedChain::new(&(first..first + n).collect::<Vec<_>>()),
+        new_blocks: n as u32,
+        uncached_tokens: 4 * n as u32,
+    };
+    to_a.send(RouterMessage::Routed(routed(100, 7))).unwrap();
+    for r in [&mut b, &mut c] {
+        let got = placements(r).await;
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].routed, routed(100, 7));
+        assert!(got[0].age_ms < WAIT.as_millis() as u32);
+    }
+    // B's placement reaches A (and C); had A been sent its own, it would come first here.
+    to_b.send(RouterMessage::Routed(routed(200, 3))).unwrap();
+    let got = placements(&mut a).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].routed, routed(200, 3));
+    assert_eq!(placements(&mut c).await[0].routed, routed(200, 3));
+    let text = side.shared.metrics.render();
+    for (outcome, n) in [("received", 2), ("relayed", 4)] {
+        let line = format!("kvsight_sidecar_placements_total{{outcome=\"{outcome}\"}} {n}");
+        assert!(text.contains(&line), "no {line:?} in\n{text}");
+    }
+}

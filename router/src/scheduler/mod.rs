@@ -34,7 +34,7 @@ mod tests;
 use std::time::Instant;
 
 use crate::config::{PoolConfig, SchedulerConfig};
-use crate::pods::{Picked, Pod, Projection, Registry};
+use crate::pods::{PeerPolicy, Picked, Pod, Projection, Registry};
 use filters::Rejection;
 pub use prompt_hashes::{HashPlan, PromptHashes};
 use saturation::{Fleet, Pressure};
@@ -180,6 +180,9 @@ pub struct Decision {
     pub candidates: usize,
     /// Eligible pods the saturation rule left out of the ranking.
     pub saturation_skipped: usize,
+    /// Whether the pick was handed to the pod's sidecar for the other router replicas (`None`:
+    /// not shared, or the pod has no connection; `Some(false)`: its outbox was full).
+    pub placement_shared: Option<bool>,
 }
 
 /// Filters and weighted scorers built from the config.
@@ -231,6 +234,16 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
+    }
+
+    /// How other replicas' placements count here; `None` while `sharePlacements` is off (they
+    /// are ignored, as this router's own are not sent).
+    pub fn peer_policy(&self) -> Option<PeerPolicy> {
+        self.cfg.share_placements.then(|| PeerPolicy {
+            pending_ttl: self.cfg.pending_ttl(),
+            homes_ttl: (self.cfg.weights.effective(ScorerKind::Affinity) > 0.0)
+                .then(|| self.cfg.affinity_ttl()),
+        })
     }
 
     /// Picks a pod and records the pick in the registry (in flight, pending blocks, LRU), under
@@ -482,6 +495,7 @@ impl Scheduler {
             least_request,
             candidates: n_eligible,
             saturation_skipped: n_eligible - open.len(),
+            placement_shared: None,
         };
         let new_blocks = winner.new_blocks;
         let record_chain: &[u64] = if winner.pod.hello.engine.prefix_caching {
@@ -493,12 +507,16 @@ impl Scheduler {
             new_blocks,
             uncached_tokens: winner.uncached_tokens,
             chain: record_chain,
+            share: self.cfg.share_placements,
         };
-        reg.record_pick(&decision.pod, &picked, now, self.cfg.pending_ttl());
+        let shared = reg.record_pick(&decision.pod, &picked, now, self.cfg.pending_ttl());
         if homes_on {
             reg.record_home(&decision.pod, record_chain, now, homes_ttl);
         }
-        Ok(decision)
+        Ok(Decision {
+            placement_shared: shared,
+            ..decision
+        })
     }
 }
 
