@@ -316,7 +316,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let incomplete: Vec<String> = outcome
                 .runs
                 .iter()
-                .filter(|r| r.hit_rate.is_none() || r.ttft_p90_s.is_none() || r.errors > 0)
+                .filter(|r| {
+                    r.hit_rate.is_none()
+                        || r.ttft_p90_s.is_none()
+                        || r.errors > 0
+                        || r.load_cov.requests.is_none()
+                        || (r.router.starts_with("kvsight") && r.split_placements.is_none())
+                        || r.router_replicas != usize::from(router_replicas)
+                })
                 .map(|r| {
                     format!(
                         "{} {} {}: {:?}",

@@ -20,7 +20,8 @@ usage: cargo xtask <command>
 commands:
   ci      fmt check; one build of every target that is also clippy -D warnings; deps; every
           test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
-          then `bench --quick`, a 1-minute `soak` and `real-vllm`
+          then `bench --quick` (once with one router each, once with two replicas), a
+          1-minute `soak` and `real-vllm`
   deps    the crate graph is one-way: no dependency cycle between workspace crates (dev-
           dependencies included), and protocol, tokenizer, harness and simulator never depend
           on the router or the sidecar
@@ -31,7 +32,8 @@ commands:
   bench   kvsight against the routers people run today (smg, sglang-router, vllm-router from
           PyPI) and blind baselines, on simulated GPU pods, through and past saturation; writes
           target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
-          --routers, --rates, --pods, --time-scale; see `kvsight-bench run --help`)
+          --routers, --rates, --pods, --time-scale, --router-replicas, --client-spread; see
+          `kvsight-bench run --help`)
   soak    --minutes N (default 10): 1,000 concurrent streaming clients through 2 router
           replicas to 8 simulated pods (vllm-sim + sidecar processes) on loopback, while
           engines crash and restart, pods leave and join and the config is reloaded; reports
@@ -181,6 +183,19 @@ fn ci(root: &Path) -> Result<()> {
     println!("xtask ci: build, lints and tests passed in {checked:.0} s");
     // The comparison with the real peers, as a smoke test: every router's figures present.
     bench(root, &["--quick".to_owned()])?;
+    // The same with two replicas of each router and round-robin clients: the placements the
+    // replicas share through the sidecars, and the figures a run with replicas must carry.
+    bench(
+        root,
+        &[
+            "--quick",
+            "--router-replicas=2",
+            "--routers=kvsight,sglang-cache-aware",
+            "--rates=64",
+            "--out=target/bench/replicas",
+        ]
+        .map(str::to_owned),
+    )?;
     // The 1-minute soak: 1,000 streaming clients, two routers, eight pods crashing, leaving,
     // joining and reloading; failures outside the injected faults and descriptor growth fail it.
     // Memory is judged only in runs of ten minutes or more (README, Reliability).
