@@ -387,6 +387,12 @@ impl<'o> Bench<'o> {
             warmup: true,
             ..self.pods_config(w, quic)
         };
+        // The caches are reset before the router starts too: a sidecar forgets the placements
+        // it remembers for routers that connect later when its engine's cache is reset, and a
+        // fresh router must not learn the previous run's.
+        for p in pods {
+            p.reset_cache(http).await?;
+        }
         let router = self.start_router(rk, kvsight, workers, pods.len()).await?;
         // Added latency is probed once per router, before its first rate.
         let added_ms = if first {

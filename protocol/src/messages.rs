@@ -30,6 +30,10 @@ pub enum SidecarMessage {
     /// Requests other router replicas just sent to this pod (their [`RouterMessage::Routed`]),
     /// relayed as they arrive.
     Placements(Placements),
+    /// After the snapshot on every (re)connect: where prefixes were placed on this pod lately,
+    /// by any router, so a router that (re)started knows each prefix's home as the running
+    /// replicas do.
+    RecentPlacements(RecentPlacements),
 }
 
 /// Router → sidecar.
@@ -322,6 +326,65 @@ pub struct Placement {
     pub routed: Routed,
 }
 
+/// Placements on this pod remembered by its sidecar (see [`SidecarMessage::RecentPlacements`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentPlacements {
+    pub entries: Vec<RecentPlacement>,
+}
+
+/// What a home needs of one placement: the prompt's chain hashes at
+/// [`crate::hash::prefix_depths`] of its length.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentPlacement {
+    /// Milliseconds since the sidecar received it.
+    pub age_ms: u32,
+    /// Blocks in the placed prompt's chain.
+    pub chain_len: u32,
+    /// The chain's hash at each of `prefix_depths(chain_len)`, in order.
+    pub depths: PackedChain,
+}
+
+impl RecentPlacement {
+    /// The remembered part of `routed`'s chain.
+    pub fn of(routed: &Routed, age_ms: u32) -> Self {
+        let chain: Vec<u64> = routed.chain.hashes().collect();
+        let depths: Vec<u64> = crate::hash::prefix_depths(chain.len())
+            .map(|d| chain[d])
+            .collect();
+        RecentPlacement {
+            age_ms,
+            chain_len: u32::try_from(chain.len()).unwrap_or(u32::MAX),
+            depths: PackedChain::new(&depths),
+        }
+    }
+
+    /// `(chain index, hash)` of each remembered depth.
+    pub fn marks(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        crate::hash::prefix_depths(self.chain_len as usize).zip(self.depths.hashes())
+    }
+
+    fn validate(&self) -> Result<(), InvalidField> {
+        in_range(
+            "RecentPlacements.entries.chain_len",
+            self.chain_len.into(),
+            0,
+            MAX_PLACEMENT_BLOCKS as u64,
+        )?;
+        let want = crate::hash::prefix_depths(self.chain_len as usize).count();
+        if self.depths.len() != want {
+            return invalid(
+                "RecentPlacements.entries.depths",
+                format!(
+                    "{} hashes for a chain of {} blocks (want {want})",
+                    self.depths.len(),
+                    self.chain_len
+                ),
+            );
+        }
+        self.depths.validate("RecentPlacements.entries.depths")
+    }
+}
+
 /// Why a peer is leaving.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Goodbye {
@@ -546,6 +609,15 @@ impl SidecarMessage {
                 p.entries
                     .iter()
                     .try_for_each(|e| e.routed.chain.validate("Placements.entries.routed.chain"))
+            }
+            SidecarMessage::RecentPlacements(r) => {
+                in_range(
+                    "RecentPlacements.entries",
+                    r.entries.len() as u64,
+                    0,
+                    MAX_PLACEMENTS as u64,
+                )?;
+                r.entries.iter().try_for_each(RecentPlacement::validate)
             }
         }
     }

@@ -462,3 +462,37 @@ fn placements_carry_whole_chains_and_refuse_broken_or_endless_ones() {
         other => panic!("a torn chain decoded as {other:?}"),
     }
 }
+
+#[test]
+fn recent_placements_keep_a_prompts_prefix_depths_and_refuse_a_mismatched_count() {
+    let chain: Vec<u64> = (1..=40).collect();
+    let routed = Routed {
+        chain: PackedChain::new(&chain),
+        new_blocks: 40,
+        uncached_tokens: 640,
+    };
+    let r = RecentPlacement::of(&routed, 7);
+    assert_eq!(r.chain_len, 40);
+    // Depths 1, 2, 4, 8, 16, 32 blocks: chain indices 0, 1, 3, 7, 15, 31.
+    assert_eq!(
+        r.marks().collect::<Vec<_>>(),
+        vec![(0, 1), (1, 2), (3, 4), (7, 8), (15, 16), (31, 32)]
+    );
+    let msg = |e: RecentPlacement| {
+        SidecarMessage::RecentPlacements(RecentPlacements { entries: vec![e] })
+    };
+    assert!(decode_sidecar(&msg(r.clone())).is_ok());
+    let short = RecentPlacement {
+        chain_len: 64,
+        ..r.clone()
+    };
+    assert_eq!(invalid_field(msg(short)), "RecentPlacements.entries.depths");
+    let endless = RecentPlacement {
+        chain_len: u32::MAX,
+        ..r
+    };
+    assert_eq!(
+        invalid_field(msg(endless)),
+        "RecentPlacements.entries.chain_len"
+    );
+}

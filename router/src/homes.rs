@@ -26,6 +26,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvsight_protocol::hash::prefix_depths as depths;
+
 /// Most remembered prefix depths (about eight per distinct prompt); beyond it the expired and
 /// then the stalest go first. ~80 bytes each.
 pub const MAX_HOMES: usize = 262_144;
@@ -186,17 +188,16 @@ pub fn claim(depth: usize, commons: usize, chain_len: usize, evicts: f64) -> f64
     evicts * (evicts * own + (1.0 - evicts) * kept)
 }
 
-/// Chain indices that name a prefix: 0, 1, 3, 7, … below `len`.
-fn depths(len: usize) -> impl DoubleEndedIterator<Item = usize> {
-    // 2^k - 1 < len for k in 0..=floor(log2(len)).
-    (0..usize::BITS - len.leading_zeros()).map(|k| (1usize << k) - 1)
-}
-
 /// Two placements of one new prefix this close together were made by router replicas that
 /// had not yet heard of each other's (the relay takes a round trip): every replica gives the
 /// home to the lower pod key, whatever order it heard them in. Placements further apart are
 /// settled by time: the earlier one keeps the home.
 pub const CLAIM_TIE: Duration = Duration::from_millis(50);
+
+/// `chain`'s hashes at its prefix depths, as `(chain index, hash)`.
+fn marks(chain: &[u64]) -> Vec<(usize, u64)> {
+    depths(chain.len()).map(|d| (d, chain[d])).collect()
+}
 
 /// Whether another replica's placement on `pod` at `at` takes over `home`, a live home on
 /// another pod (see [`CLAIM_TIE`]).
@@ -216,7 +217,7 @@ impl Homes {
     /// Records that `chain` was routed to `pod` at `now`: every depth without a live home
     /// becomes `pod`'s, and `pod`'s own are refreshed. Depths another pod owns stay its own.
     pub fn record(&mut self, pod: &str, chain: &[u64], now: Instant, ttl: Duration) {
-        self.record_from(pod, chain, now, ttl, false);
+        self.record_marks(pod, &marks(chain), now, ttl, false);
     }
 
     /// Records a placement another router replica made (relayed by the pod's sidecar) as
@@ -224,18 +225,30 @@ impl Homes {
     /// `pod` when the other replica placed it first (see [`CLAIM_TIE`]): replicas that placed
     /// a new prefix about together end up agreeing on one home. Returns the depths handed over.
     pub fn record_peer(&mut self, pod: &str, chain: &[u64], at: Instant, ttl: Duration) -> usize {
-        self.record_from(pod, chain, at, ttl, true)
+        self.record_marks(pod, &marks(chain), at, ttl, true)
     }
 
-    fn record_from(
+    /// [`Self::record_peer`] for a placement a pod's sidecar remembered: only its prefix depths,
+    /// as `(chain index, hash)` pairs in depth order.
+    pub fn restore(
         &mut self,
         pod: &str,
-        chain: &[u64],
+        marks: &[(usize, u64)],
+        at: Instant,
+        ttl: Duration,
+    ) -> usize {
+        self.record_marks(pod, marks, at, ttl, true)
+    }
+
+    fn record_marks(
+        &mut self,
+        pod: &str,
+        marks: &[(usize, u64)],
         now: Instant,
         ttl: Duration,
         peer: bool,
     ) -> usize {
-        if chain.is_empty() {
+        if marks.is_empty() {
             return 0;
         }
         // Aged first: the prune's recount uses the same `now`.
@@ -267,7 +280,7 @@ impl Homes {
         };
         let (mut gained, mut grown, mut handovers) = (0, 0u64, 0);
         let mut fresh = Vec::new();
-        for d in depths(chain.len()) {
+        for &(d, hash) in marks {
             let new = Home {
                 pod: pod.clone(),
                 at: now,
@@ -275,7 +288,7 @@ impl Homes {
                 span: span(d),
                 reused: false,
             };
-            let previous = match self.map.get_mut(&chain[d]) {
+            let previous = match self.map.get_mut(&hash) {
                 // Sent again, home or elsewhere for load (it is still asked for: a home whose
                 // tenants moved for load must not look roomy and draw more). Counted from now
                 // on, if it was not while fresh.
@@ -305,7 +318,7 @@ impl Homes {
                     Some(std::mem::replace(home, new))
                 }
                 None => {
-                    self.map.insert(chain[d], new);
+                    self.map.insert(hash, new);
                     None
                 }
             };
@@ -319,7 +332,7 @@ impl Homes {
             }
             gained += 1;
             grown += u64::from(span(d));
-            fresh.push((now, chain[d]));
+            fresh.push((now, hash));
         }
         if let Some(e) = self.pods.get_mut(&*pod) {
             e.count += gained;

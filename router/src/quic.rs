@@ -381,6 +381,20 @@ impl Session<'_> {
                             }
                             None => Ok(()),
                         },
+                        SidecarMessage::RecentPlacements(r) => {
+                            match state.live().scheduler.peer_policy().and_then(|p| p.homes_ttl) {
+                                Some(ttl) => {
+                                    let transit = conn.rtt() / 2;
+                                    state
+                                        .registry()
+                                        .apply_recent(key, conn_id, &r.entries, now, transit, ttl)
+                                        .map(|handed| {
+                                            state.metrics.home_handovers.inc_by(handed as u64);
+                                        })
+                                }
+                                None => Ok(()),
+                            }
+                        }
                         SidecarMessage::Goodbye(g) => {
                             info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
                             return Ok(());

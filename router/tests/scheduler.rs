@@ -1351,3 +1351,46 @@ fn another_replicas_sends_count_as_load_until_a_report_includes_them() {
         "{after:?}"
     );
 }
+
+/// A replica that restarts has no memory of where prefixes live; the pods' sidecars tell it
+/// (their recent placements, sent after the snapshot), so a tenant whose prefix no cache holds
+/// any more returns to the home the running replicas know, not to a pod of the new replica's
+/// choosing — which the others would never agree to.
+#[test]
+fn a_restarted_replica_learns_the_homes_from_the_sidecars_memory() {
+    let s = with_affinity(3.0);
+    let tenant = prompt(40, 1200);
+    let mut r = Replicas::new(3);
+    let home = pick_excluding(&mut r.sides[0], &s, &tenant, &["pod-0", "pod-1"]).pod;
+    assert_eq!(home, "ns/pod-2");
+    let routed = r.outboxes[0][2].try_recv().unwrap();
+    for restored in [true, false] {
+        let mut fresh = Cluster::new(3, true);
+        fresh.now += Duration::from_secs(30);
+        for i in 0..3 {
+            fresh.report(i, load(0, 0, 0.0));
+        }
+        if restored {
+            let (key, conn) = fresh.conns[2].clone();
+            let entry = RecentPlacement::of(&routed, 30_000);
+            let handed = fresh
+                .reg
+                .apply_recent(
+                    &key,
+                    conn,
+                    &[entry],
+                    fresh.now,
+                    Duration::ZERO,
+                    Duration::from_secs(120),
+                )
+                .unwrap();
+            assert_eq!(handed, 0, "nothing to hand over in an empty memory");
+        }
+        let d = fresh.pick(&s, &tenant).unwrap();
+        if restored {
+            assert_eq!(d, home, "the home the other replicas know");
+        } else {
+            assert_ne!(d, home, "a pod of its own choosing");
+        }
+    }
+}

@@ -13,12 +13,18 @@
 //! engine's events or the next load report could show it. A connection that falls behind the
 //! relay loses the oldest placements (counted): they are hints, the filter stays the truth.
 //!
+//! The publisher also remembers the homes-relevant part of recent placements (their prefix
+//! depths, [`RecentPlacement`]) and sends them after the snapshot on every connect, so a router
+//! that restarts — a rolling update — learns where the running replicas placed each prefix
+//! instead of placing prefixes anew where its memory is empty. An `AllBlocksCleared` (a cache
+//! reset) forgets them.
+//!
 //! Addresses: a router name resolves to every replica; names are re-resolved periodically, new
 //! addresses get a connection and vanished ones are closed. Each connection reconnects on its own
 //! with exponential backoff and jitter, so a refused or unreachable router (a certificate not from
 //! our CA, a version mismatch) never holds up the others.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use kvsight_protocol::messages::{
     CacheDelta, CloseReason, Goodbye, Hello, Inflight, Load, MAX_PLACEMENTS, Placement, Placements,
-    Routed, RouterMessage, SidecarMessage, TokenizerInfo,
+    RecentPlacement, RecentPlacements, Routed, RouterMessage, SidecarMessage, TokenizerInfo,
 };
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, TransportError};
@@ -43,6 +49,10 @@ const DELTA_BACKLOG: usize = 64;
 /// Placements buffered for relay per connection before the oldest are dropped: seconds of
 /// traffic at thousands of requests per second.
 const PLACEMENT_BACKLOG: usize = 8192;
+/// Placements remembered for routers that connect later: at most this many (about 100 bytes
+/// each), and none older than [`RECENT_FOR`], longer than routers keep a home unused by default.
+const RECENT_PLACEMENTS: usize = 65_536;
+const RECENT_FOR: Duration = Duration::from_secs(600);
 /// First reconnect delay; doubles up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -77,7 +87,17 @@ pub struct Publisher {
     tokenizer: Option<Arc<TokenizerFiles>>,
     deltas: broadcast::Sender<Arc<CacheDelta>>,
     placements: broadcast::Sender<Arc<Relayed>>,
+    recent: std::sync::Mutex<VecDeque<Remembered>>,
     next_connection: AtomicU64,
+}
+
+/// A placement kept for routers that connect later.
+#[derive(Debug)]
+struct Remembered {
+    at: Instant,
+    /// The mirror's clear count when it was made: a cache reset forgets it.
+    clears: u64,
+    placement: RecentPlacement,
 }
 
 /// A placement one router connection reported, on its way to the others.
@@ -108,6 +128,7 @@ impl Publisher {
             tokenizer: tokenizer.map(Arc::new),
             deltas: broadcast::channel(DELTA_BACKLOG).0,
             placements: broadcast::channel(PLACEMENT_BACKLOG).0,
+            recent: std::sync::Mutex::new(VecDeque::new()),
             next_connection: AtomicU64::new(0),
         })
     }
@@ -324,6 +345,7 @@ impl Publisher {
         let mut deltas = self.deltas.subscribe();
         let mut placements = self.placements.subscribe();
         let mut version = self.send_snapshot(&mut tx, &mut sent).await?;
+        self.send_recent(&mut tx, &mut sent).await?;
         let mut load_rx = self.shared.load.subscribe();
         let mut load_seq = 0u64;
         let first = load_rx.borrow_and_update().clone();
@@ -375,6 +397,7 @@ impl Publisher {
                     }
                     Some(RouterMessage::Routed(routed)) => {
                         metrics.count_placements("received", 1);
+                        self.remember(&routed);
                         // No other router connected is fine: nobody to tell.
                         let _ = self.placements.send(Arc::new(Relayed {
                             from: id,
@@ -430,6 +453,57 @@ impl Publisher {
                 },
             }
         }
+    }
+
+    /// Keeps `routed`'s prefix depths for routers that connect later (see the module docs).
+    fn remember(&self, routed: &Routed) {
+        if routed.chain.is_empty() {
+            return;
+        }
+        let clears = lock(&self.mirror).stats().clears;
+        let now = Instant::now();
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        while recent
+            .front()
+            .is_some_and(|r| r.clears != clears || now.duration_since(r.at) > RECENT_FOR)
+        {
+            recent.pop_front();
+        }
+        if recent.len() >= RECENT_PLACEMENTS {
+            recent.pop_front();
+        }
+        recent.push_back(Remembered {
+            at: now,
+            clears,
+            placement: RecentPlacement::of(routed, 0),
+        });
+    }
+
+    /// Sends what [`Self::remember`] kept and the cache has not been reset since, oldest first.
+    async fn send_recent(
+        &self,
+        tx: &mut FramedSend,
+        sent: &mut impl FnMut(usize),
+    ) -> Result<(), PublishError> {
+        let clears = lock(&self.mirror).stats().clears;
+        let entries: Vec<RecentPlacement> = {
+            let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            recent
+                .iter()
+                .filter(|r| r.clears == clears && r.at.elapsed() <= RECENT_FOR)
+                .map(|r| RecentPlacement {
+                    age_ms: u32::try_from(r.at.elapsed().as_millis()).unwrap_or(u32::MAX),
+                    ..r.placement.clone()
+                })
+                .collect()
+        };
+        for chunk in entries.chunks(MAX_PLACEMENTS) {
+            let msg = SidecarMessage::RecentPlacements(RecentPlacements {
+                entries: chunk.to_vec(),
+            });
+            sent(tx.send(&msg).await?);
+        }
+        Ok(())
     }
 
     async fn send_snapshot(

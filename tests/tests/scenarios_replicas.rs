@@ -4,8 +4,9 @@
 //!
 //! A replica that never sent a prompt knows, within a round trip, the pod another replica sent
 //! it to — as that prompt's home, and in the pod's projected load — so the tenant's next request
-//! through it follows, long before the pod's own reports could say anything. With
-//! `sharePlacements: false` nothing is relayed.
+//! through it follows, long before the pod's own reports could say anything. A replica that
+//! restarts is told where prefixes live by the sidecars. With `sharePlacements: false` nothing
+//! is relayed.
 
 use std::time::{Duration, Instant};
 
@@ -129,6 +130,16 @@ async fn a_placement_through_one_replica_reaches_the_other_through_the_sidecar()
     eventually("router 0 to hear of router 1's placement", WAIT, || async {
         relayed(&cluster, i, "relayed") == 2.0
     })
+    .await
+    .unwrap();
+
+    // A restarted replica starts with no memory; the sidecars tell it where prefixes live.
+    cluster.restart_router(1).await.unwrap();
+    eventually(
+        "the restarted router 1 to learn the prompt's home",
+        WAIT,
+        || async { home_on(&cluster, 1, &chain).as_deref() == Some(key.as_str()) },
+    )
     .await
     .unwrap();
 
