@@ -166,6 +166,26 @@ pub struct PodSpec {
     pub foreign_certificate: bool,
 }
 
+/// A simulated engine without compile stalls (the pods skip warm-up) on a scaled clock:
+/// `blocks` KV blocks of `block_size` tokens, a `max_model_len` window, `seed` for its RNG.
+pub fn fast_engine(
+    block_size: usize,
+    blocks: usize,
+    max_model_len: usize,
+    time_scale: f64,
+    seed: u64,
+) -> EngineConfig {
+    EngineConfig::builder()
+        .block_size(block_size)
+        .num_gpu_blocks(blocks)
+        .max_model_len(max_model_len)
+        .compile_stall(Duration::ZERO)
+        .time_scale(time_scale)
+        .seed(seed)
+        .build()
+        .expect("a valid engine shape")
+}
+
 impl PodSpec {
     /// A pod serving `model` with KV events (and replay) on, the project's own tokenizer and
     /// `engine`.
@@ -869,6 +889,35 @@ impl Cluster {
             .pod_index(&key)
             .ok_or_else(|| err(format!("{key} is not a pod of the cluster")))?;
         Ok((key, i))
+    }
+
+    /// The canonical chain of a completion `prompt` for `model` at `block_size`, from the token
+    /// ids the first router's `/tokenize` returns (the engine's own tokens).
+    pub async fn chain_of(
+        &self,
+        model: &str,
+        prompt: &str,
+        block_size: usize,
+    ) -> Result<Vec<u64>, ClusterError> {
+        let r = self
+            .post(
+                0,
+                "/tokenize",
+                &serde_json::json!({"model": model, "prompt": prompt}),
+            )
+            .await?;
+        let err = |message: String| ClusterError::Router { index: 0, message };
+        if r.status != 200 {
+            return Err(err(format!("/tokenize: {}: {}", r.status, r.text)));
+        }
+        let body: Value = serde_json::from_str(&r.text).map_err(|e| err(e.to_string()))?;
+        let ids: Vec<u32> =
+            serde_json::from_value(body["tokens"].clone()).map_err(|e| err(e.to_string()))?;
+        Ok(kvsight_protocol::hash::hash_chain(
+            &kvsight_protocol::hash::ChainSeed::BASE,
+            &ids,
+            block_size,
+        ))
     }
 
     /// The index of the pod whose key is `key`.
