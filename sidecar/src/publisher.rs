@@ -100,6 +100,14 @@ struct Remembered {
     placement: RecentPlacement,
 }
 
+/// Which connection a router message came in on.
+struct Answering<'a> {
+    conn: &'a quinn::Connection,
+    addr: SocketAddr,
+    label: &'a str,
+    id: u64,
+}
+
 /// A placement one router connection reported, on its way to the others.
 #[derive(Debug)]
 struct Relayed {
@@ -304,40 +312,14 @@ impl Publisher {
         id: u64,
         close: &CancellationToken,
     ) -> Result<(), PublishError> {
-        // The newest material on every attempt: a renewed certificate is used from the next
-        // reconnect on (the connection in progress keeps the one it was set up with).
-        let config = kvsight_transport::client_config(&tls.borrow())?;
-        let connecting = endpoint.connect_with(config, addr, server_name)?;
-        let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
-            .await
-            .map_err(|_| PublishError::Timeout("handshake"))??;
-        let (send, recv) = conn.open_bi().await?;
-        let mut tx = FramedSend::new(send);
-        let mut rx = FramedRecv::new(recv);
         let metrics = &self.shared.metrics;
         let mut sent = |n: usize| {
             metrics.publish_bytes.inc_by(n as u64);
         };
-        sent(tx.send(&SidecarMessage::Hello(self.hello.clone())).await?);
-        let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>())
-            .await
-            .map_err(|_| PublishError::Timeout("Welcome"))??;
-        let router_id = match answer {
-            Some(RouterMessage::Welcome(w)) => w.router_id,
-            Some(RouterMessage::Refused(r)) => {
-                conn.close(CloseReason::Shutdown.code().into(), b"refused");
-                return Err(PublishError::Refused(r.reason));
-            }
-            Some(_) => return Err(PublishError::Unexpected("a message before Welcome")),
-            None => return Err(PublishError::Closed),
-        };
+        let (conn, mut tx, mut rx) = self
+            .handshake(endpoint, tls, addr, server_name, &mut sent)
+            .await?;
         let label = addr.to_string();
-        tracing::info!(router = %addr, %router_id, "router welcomed us");
-        self.shared.update_router(&label, |r| {
-            r.router_id = Some(router_id.clone());
-            r.connected = true;
-            r.last_error = None;
-        });
         metrics.routers_connected.inc();
         let _connected = GaugeGuard(&metrics.routers_connected);
 
@@ -375,45 +357,13 @@ impl Publisher {
                     conn.close(reason.code().into(), b"goodbye");
                     return Ok(());
                 }
-                msg = rx.recv::<RouterMessage>() => match msg? {
-                    None => return Err(PublishError::Closed),
-                    Some(RouterMessage::Inflight(Inflight { requests, .. })) => {
-                        self.shared.set_inflight(id, requests);
-                        self.shared.update_router(&label, |r| r.inflight = requests);
+                msg = rx.recv::<RouterMessage>() => {
+                    let Some(msg) = msg? else { return Err(PublishError::Closed) };
+                    let at = Answering { conn: &conn, addr, label: &label, id };
+                    if let Some(end) = self.answer(msg, &at, &mut tx, &mut version, &mut sent).await? {
+                        return end;
                     }
-                    Some(RouterMessage::TokenizerRequest(req)) => {
-                        match &self.tokenizer {
-                            Some(files) => {
-                                for chunk in files.chunks(&req.model) {
-                                    sent(tx.send(&SidecarMessage::TokenizerChunk(chunk)).await?);
-                                }
-                            }
-                            None => tracing::warn!(router = %addr, model = %req.model,
-                                "router asked for a tokenizer and we have none"),
-                        }
-                    }
-                    Some(RouterMessage::ResyncRequest) => {
-                        version = self.send_snapshot(&mut tx, &mut sent).await?;
-                    }
-                    Some(RouterMessage::Routed(routed)) => {
-                        metrics.count_placements("received", 1);
-                        self.remember(&routed);
-                        // No other router connected is fine: nobody to tell.
-                        let _ = self.placements.send(Arc::new(Relayed {
-                            from: id,
-                            at: Instant::now(),
-                            routed,
-                        }));
-                    }
-                    Some(RouterMessage::Goodbye(g)) => {
-                        tracing::info!(router = %addr, reason = ?g.reason, "router said goodbye");
-                        return Ok(());
-                    }
-                    Some(RouterMessage::Welcome(_) | RouterMessage::Refused(_)) => {
-                        conn.close(CloseReason::ProtocolViolation.code().into(), b"unexpected");
-                        return Err(PublishError::Unexpected("a second Welcome/Refused"));
-                    }
-                },
+                }
                 d = deltas.recv() => match d {
                     Ok(d) if d.base_version == version => {
                         tracing::trace!(router = %addr, version = d.version, "delta");
@@ -453,6 +403,100 @@ impl Publisher {
                 },
             }
         }
+    }
+
+    /// Connects, opens the stream, says `Hello` and waits for `Welcome` (bounded); records the
+    /// router as connected.
+    async fn handshake(
+        &self,
+        endpoint: &quinn::Endpoint,
+        tls: &tokio::sync::watch::Receiver<TlsMaterial>,
+        addr: SocketAddr,
+        server_name: &str,
+        sent: &mut impl FnMut(usize),
+    ) -> Result<(quinn::Connection, FramedSend, FramedRecv), PublishError> {
+        // The newest material on every attempt: a renewed certificate is used from the next
+        // reconnect on (the connection in progress keeps the one it was set up with).
+        let config = kvsight_transport::client_config(&tls.borrow())?;
+        let connecting = endpoint.connect_with(config, addr, server_name)?;
+        let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
+            .await
+            .map_err(|_| PublishError::Timeout("handshake"))??;
+        let (send, recv) = conn.open_bi().await?;
+        let mut tx = FramedSend::new(send);
+        let mut rx = FramedRecv::new(recv);
+        sent(tx.send(&SidecarMessage::Hello(self.hello.clone())).await?);
+        let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>())
+            .await
+            .map_err(|_| PublishError::Timeout("Welcome"))??;
+        let router_id = match answer {
+            Some(RouterMessage::Welcome(w)) => w.router_id,
+            Some(RouterMessage::Refused(r)) => {
+                conn.close(CloseReason::Shutdown.code().into(), b"refused");
+                return Err(PublishError::Refused(r.reason));
+            }
+            Some(_) => return Err(PublishError::Unexpected("a message before Welcome")),
+            None => return Err(PublishError::Closed),
+        };
+        tracing::info!(router = %addr, %router_id, "router welcomed us");
+        self.shared.update_router(&addr.to_string(), |r| {
+            r.router_id = Some(router_id.clone());
+            r.connected = true;
+            r.last_error = None;
+        });
+        Ok((conn, tx, rx))
+    }
+
+    /// Answers one router message; `Some` ends the connection with that outcome.
+    async fn answer(
+        &self,
+        msg: RouterMessage,
+        at: &Answering<'_>,
+        tx: &mut FramedSend,
+        version: &mut u64,
+        sent: &mut impl FnMut(usize),
+    ) -> Result<Option<Result<(), PublishError>>, PublishError> {
+        match msg {
+            RouterMessage::Inflight(Inflight { requests, .. }) => {
+                self.shared.set_inflight(at.id, requests);
+                self.shared
+                    .update_router(at.label, |r| r.inflight = requests);
+            }
+            RouterMessage::TokenizerRequest(req) => match &self.tokenizer {
+                Some(files) => {
+                    for chunk in files.chunks(&req.model) {
+                        sent(tx.send(&SidecarMessage::TokenizerChunk(chunk)).await?);
+                    }
+                }
+                None => tracing::warn!(router = %at.addr, model = %req.model,
+                    "router asked for a tokenizer and we have none"),
+            },
+            RouterMessage::ResyncRequest => {
+                *version = self.send_snapshot(tx, sent).await?;
+            }
+            RouterMessage::Routed(routed) => {
+                self.shared.metrics.count_placements("received", 1);
+                self.remember(&routed);
+                // No other router connected is fine: nobody to tell.
+                let _ = self.placements.send(Arc::new(Relayed {
+                    from: at.id,
+                    at: Instant::now(),
+                    routed,
+                }));
+            }
+            RouterMessage::Goodbye(g) => {
+                tracing::info!(router = %at.addr, reason = ?g.reason, "router said goodbye");
+                return Ok(Some(Ok(())));
+            }
+            RouterMessage::Welcome(_) | RouterMessage::Refused(_) => {
+                at.conn
+                    .close(CloseReason::ProtocolViolation.code().into(), b"unexpected");
+                return Ok(Some(Err(PublishError::Unexpected(
+                    "a second Welcome/Refused",
+                ))));
+            }
+        }
+        Ok(None)
     }
 
     /// Keeps `routed`'s prefix depths for routers that connect later (see the module docs).
