@@ -314,43 +314,7 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         let before = files_in(&artifacts);
         println!("==> cargo fuzz run {target} for {seconds} s");
         let t = Instant::now();
-        let mut cmd = Command::new(cargo());
-        // `cargo run` gave this process xtask's package variables; ring's build script watches
-        // some of them, so cargo-fuzz run from here and from a shell would rebuild each other's
-        // ring and everything above it (minutes per switch).
-        for (key, _) in std::env::vars_os() {
-            if key.to_str().is_some_and(|k| {
-                k.starts_with("CARGO_PKG_")
-                    || k.starts_with("CARGO_MANIFEST_")
-                    || [
-                        "CARGO_CRATE_NAME",
-                        "CARGO_BIN_NAME",
-                        "CARGO_PRIMARY_PACKAGE",
-                    ]
-                    .contains(&k)
-            }) {
-                cmd.env_remove(key);
-            }
-        }
-        let mut child = cmd
-            // The binaries link libFuzzer only with this feature (the corpus replay test, in the
-            // ordinary test build, calls the same target functions without it).
-            .args([
-                "fuzz",
-                "run",
-                "--features",
-                "libfuzzer",
-                "--sanitizer",
-                "none",
-                "--fuzz-dir",
-            ])
-            .arg(&dir)
-            .arg(target)
-            .arg("--")
-            .arg(format!("-max_total_time={seconds}"))
-            // A single input slower than this is a hang worth reporting.
-            .arg("-timeout=30")
-            .env("RUSTC_BOOTSTRAP", "1")
+        let mut child = fuzz_command(&dir, target, seconds)
             .stderr(std::process::Stdio::piped())
             .spawn()
             .context("starting cargo fuzz")?;
@@ -398,6 +362,48 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         println!("{row}");
     }
     Ok(())
+}
+
+/// `cargo fuzz run` of `target` in the fuzz crate at `dir` for `seconds`.
+fn fuzz_command(dir: &Path, target: &str, seconds: u64) -> Command {
+    let mut cmd = Command::new(cargo());
+    // `cargo run` gave this process xtask's package variables; ring's build script watches
+    // some of them, so cargo-fuzz run from here and from a shell would rebuild each other's
+    // ring and everything above it (minutes per switch).
+    for (key, _) in std::env::vars_os() {
+        if key.to_str().is_some_and(|k| {
+            k.starts_with("CARGO_PKG_")
+                || k.starts_with("CARGO_MANIFEST_")
+                || [
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                ]
+                .contains(&k)
+        }) {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+        // The binaries link libFuzzer only with this feature (the corpus replay test, in the
+        // ordinary test build, calls the same target functions without it).
+        .args([
+            "fuzz",
+            "run",
+            "--features",
+            "libfuzzer",
+            "--sanitizer",
+            "none",
+            "--fuzz-dir",
+        ])
+        .arg(dir)
+        .arg(target)
+        .arg("--")
+        .arg(format!("-max_total_time={seconds}"))
+        // A single input slower than this is a hang worth reporting.
+        .arg("-timeout=30")
+        .env("RUSTC_BOOTSTRAP", "1");
+    cmd
 }
 
 /// What libFuzzer's last status line and its `Done` line said.
