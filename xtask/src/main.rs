@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 
 mod chart;
 mod deps;
+mod fn_length;
 mod unsafe_check;
 
 const USAGE: &str = "\
@@ -25,6 +26,9 @@ commands:
   deps    the crate graph is one-way: no dependency cycle between workspace crates (dev-
           dependencies included), and protocol, tokenizer, harness and simulator never depend
           on the router or the sidecar
+  fn-length
+          no function outside tests over 120 lines (long orchestrators are split into
+          named phases)
   fuzz    coverage-guided fuzzing: every fuzz target for --seconds N (default 60) each, one
           after another, with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP=1; installs
           cargo-fuzz if missing); names of targets after the flags run only those; fails
@@ -83,6 +87,7 @@ fn dispatch() -> Result<()> {
         "demo" => demo(&rest),
         "fuzz" => fuzz(&root, &rest),
         "deps" => deps::deps_check(),
+        "fn-length" => fn_length::check(&root),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
