@@ -71,6 +71,15 @@ pub struct Fidelity {
     pub gauges_sim: Gauges,
     /// Seconds each side took for the concurrent trace.
     pub concurrent_seconds: (f64, f64),
+    /// Concurrent requests whose `cached_tokens` agreed (which request waits or is preempted
+    /// depends on timing, so this is a figure, not a verdict).
+    pub concurrent_cached_agree: usize,
+    /// Blocks stored and evicted during the concurrent trace, (vLLM, sim), and the stored
+    /// blocks both sides have in common by canonical hash, as multisets (blocks filled by
+    /// generated tokens differ: each engine generates its own).
+    pub concurrent_stored: (usize, usize),
+    pub concurrent_evicted: (usize, usize),
+    pub concurrent_stored_common: usize,
     /// Whether every request's prompt tokenized to the same length on both sides.
     pub prompt_tokens_equal: bool,
 }
@@ -196,10 +205,13 @@ async fn compare(
         }
     }
     f.serial_cached_tokens_equal = f.serial_cached_agree == serial.len();
+    let serial_log = (
+        settled_events(sub_vllm).await?,
+        settled_events(sub_sim).await?,
+    );
     let ev = (
-        canonical(&settled_events(sub_vllm).await?, SHAPE.block_size).context("vLLM's events")?,
-        canonical(&settled_events(sub_sim).await?, SHAPE.block_size)
-            .context("the simulator's events")?,
+        canonical(&serial_log.0, SHAPE.block_size).context("vLLM's events")?,
+        canonical(&serial_log.1, SHAPE.block_size).context("the simulator's events")?,
     );
     f.serial_events_vllm = ev.0.len();
     f.serial_events_sim = ev.1.len();
@@ -258,6 +270,35 @@ async fn compare(
     let (gv, gs) = (sampler_v.await?, sampler_s.await?);
     let ((uv, tv), (us, ts)) = (a?, b?);
     let after = (counters(http, vllm).await?, counters(http, sim).await?);
+    f.concurrent_cached_agree = uv.iter().zip(&us).filter(|(a, b)| a == b).count();
+    let ev = (
+        canonical_from(&serial_log.0, &settled_events(sub_vllm).await?)
+            .context("vLLM's concurrent events")?,
+        canonical_from(&serial_log.1, &settled_events(sub_sim).await?)
+            .context("the simulator's concurrent events")?,
+    );
+    let count = |v: &[BlockEvent], stored: bool| {
+        v.iter()
+            .filter(|e| matches!(e, BlockEvent::Stored(_)) == stored)
+            .count()
+    };
+    f.concurrent_stored = (count(&ev.0, true), count(&ev.1, true));
+    f.concurrent_evicted = (count(&ev.0, false), count(&ev.1, false));
+    let mut theirs: HashMap<u64, usize> = HashMap::new();
+    for e in &ev.1 {
+        if let BlockEvent::Stored(h) = e {
+            *theirs.entry(*h).or_default() += 1;
+        }
+    }
+    for e in &ev.0 {
+        if let BlockEvent::Stored(h) = e
+            && let Some(n) = theirs.get_mut(h)
+            && *n > 0
+        {
+            *n -= 1;
+            f.concurrent_stored_common += 1;
+        }
+    }
     f.concurrent_seconds = (tv, ts);
     f.gauges_vllm = gv;
     f.gauges_sim = gs;
@@ -459,6 +500,14 @@ async fn settled_events(sub: &mut Subscriber) -> Result<Vec<Value>> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("the KV-event stream never went quiet")
+}
+
+/// The canonical events of `later`, whose parents may have been stored in `earlier`.
+fn canonical_from(earlier: &[Value], later: &[Value]) -> Result<Vec<BlockEvent>> {
+    let all: Vec<Value> = earlier.iter().chain(later).cloned().collect();
+    let mut events = canonical(&all, SHAPE.block_size)?;
+    let skip = canonical(earlier, SHAPE.block_size)?.len();
+    Ok(events.split_off(skip))
 }
 
 /// One block's event in canonical terms.
@@ -706,7 +755,13 @@ pub fn write(f: &Fidelity, json_path: &Path, doc: Option<&PathBuf>, version: &st
          | `vllm:num_preemptions` | {pv} | {ps} | {pok} (within 20 %) |\n\
          | `vllm:prefix_cache_queries` | {cqv} | {cqs} | |\n\
          | `vllm:prefix_cache_hits` | {chv} | {chs} | |\n\
+         | requests whose `cached_tokens` agree | {ca} of {cr} | | |\n\
+         | blocks stored (in common by canonical hash) | {stv} ({stc}) | {sts} ({stc}) | |\n\
+         | blocks evicted | {evv} | {evs} | |\n\
          | seconds | {tv:.1} | {ts:.1} | |\n\n\
+         Blocks filled by generated tokens hold each engine's own tokens, so only prompt blocks\n\
+         can be in common; which request waits or is preempted depends on timing, so the\n\
+         per-request and per-block figures of this trace are not verdicts.\n\n\
          Running and waiting, sampled every 100 ms:\n\n\
          | engine | mean running | mean waiting | max waiting | share of samples waiting | samples |\n\
          |---|---|---|---|---|---|\n\
@@ -755,6 +810,12 @@ pub fn write(f: &Fidelity, json_path: &Path, doc: Option<&PathBuf>, version: &st
         cqs = f.concurrent_queries.1,
         chv = f.concurrent_hits.0,
         chs = f.concurrent_hits.1,
+        ca = f.concurrent_cached_agree,
+        stv = f.concurrent_stored.0,
+        sts = f.concurrent_stored.1,
+        stc = f.concurrent_stored_common,
+        evv = f.concurrent_evicted.0,
+        evs = f.concurrent_evicted.1,
         tv = f.concurrent_seconds.0,
         ts = f.concurrent_seconds.1,
         gv = g(&f.gauges_vllm),
