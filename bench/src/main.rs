@@ -95,6 +95,15 @@ enum Cmd {
         /// Leave out the engine-restart check.
         #[arg(long)]
         no_restart: bool,
+        /// Leave out the differential (the simulator against vLLM).
+        #[arg(long)]
+        no_fidelity: bool,
+        /// Write the differential's figures as markdown here (e.g. docs/bench/sim-fidelity.md).
+        #[arg(long)]
+        fidelity_doc: Option<PathBuf>,
+        /// Run only the differential (and no routed checks).
+        #[arg(long)]
+        fidelity_only: bool,
     },
     /// The soak (what `cargo xtask soak` runs): streaming clients through router replicas to
     /// simulated pods while engines crash, pods leave and join and the config is reloaded;
@@ -196,6 +205,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             models,
             vllm_version,
             no_restart,
+            no_fidelity,
+            fidelity_doc,
+            fidelity_only,
         } => {
             let mut parsed = Vec::new();
             for m in &models {
@@ -225,6 +237,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 models: parsed,
                 vllm_version,
                 restart: !no_restart,
+                fidelity: !no_fidelity,
+                fidelity_doc,
+                fidelity_only,
             };
             let checks = rt.block_on(kvsight_bench::real_vllm::run(&opts))?;
             let failed: Vec<_> = checks.iter().filter(|c| !c.ok).collect();

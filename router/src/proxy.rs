@@ -434,8 +434,25 @@ async fn forward(
     route.set(pool, "");
 
     let started = Instant::now();
-    let prompt = tokenize::prompt_tokens(&state.tokenizers, &model, kind == Kind::Chat, &json)
-        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    // vLLM tokenizes an adapter's request with its base model's tokenizer (the adapters it
+    // loads carry none), so an adapter name without a tokenizer of its own borrows its base's.
+    let tokenizer_model = if state.tokenizers.get(&model).is_none() {
+        state
+            .registry()
+            .pods()
+            .find(|p| p.is_lora(&model))
+            .and_then(|p| p.hello.models.first().cloned())
+            .unwrap_or_else(|| model.clone())
+    } else {
+        model.clone()
+    };
+    let prompt = tokenize::prompt_tokens(
+        &state.tokenizers,
+        &tokenizer_model,
+        kind == Kind::Chat,
+        &json,
+    )
+    .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     state
         .metrics
         .tokenize_seconds

@@ -673,6 +673,8 @@ fn real_vllm(root: &Path, extra: &[String]) -> Result<()> {
         .arg("--bin-dir")
         .arg(target.join("debug"))
         .args(["--vllm-version", VLLM_CPU])
+        .arg("--fidelity-doc")
+        .arg(root.join("docs/bench/sim-fidelity.md"))
         .args(extra);
     run("kvsight-bench real-vllm", &mut cmd)?;
     println!(
