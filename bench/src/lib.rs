@@ -229,10 +229,14 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                 }
                 cluster::wait_idle(&pods, &http, Duration::from_secs(120)).await?;
                 let before = counters(&pods, &http).await?;
-                let stale0 = if rk.predicts() {
-                    staleness_buckets(&http, &url).await.ok()
-                } else {
-                    None
+                // kvsight's metrics are on its admin listener.
+                let admin = kv_routers
+                    .iter()
+                    .find(|r| r.kind == rk)
+                    .map(|r| r.admin.clone());
+                let stale0 = match &admin {
+                    Some(admin) if rk.predicts() => staleness_buckets(&http, admin).await.ok(),
+                    _ => None,
                 };
                 let cpu0 = proc.cpu_seconds();
                 proc.reset_peak_rss();
@@ -282,12 +286,12 @@ pub async fn run(opts: Options) -> Result<Outcome> {
                     delta.push(cold.pod.counters(&http).await?);
                     cold.leave(rk, &url, &http).await?;
                 }
-                let staleness_ms = match stale0 {
-                    Some(b0) => staleness_buckets(&http, &url)
+                let staleness_ms = match (stale0, &admin) {
+                    (Some(b0), Some(admin)) => staleness_buckets(&http, admin)
                         .await
                         .ok()
                         .and_then(|b1| staleness_quantiles(&b0, &b1)),
-                    None => None,
+                    _ => None,
                 };
                 write_outcomes(&opts.out, rk, wk, rate, &plan, &outcomes)?;
                 let r = RunResult::new(&RunInputs {

@@ -244,6 +244,8 @@ struct ModelRun<'a> {
     subscribers: Vec<Subscriber>,
     router: Proc,
     router_url: String,
+    /// The router's admin listener (`/debug/pods`, `/metrics`).
+    admin_url: String,
     checks: Vec<Check>,
 }
 
@@ -256,7 +258,8 @@ impl<'a> ModelRun<'a> {
         model_dir: &Path,
         http: &reqwest::Client,
     ) -> Result<ModelRun<'a>> {
-        let (http_port, quic_port) = (free_tcp_port()?, free_udp_port()?);
+        let (http_port, quic_port, admin_port) =
+            (free_tcp_port()?, free_udp_port()?, free_tcp_port()?);
         let config = opts.work.join("router.yaml");
         std::fs::write(&config, "{}\n")?;
         let mut args = vec![
@@ -268,6 +271,10 @@ impl<'a> ModelRun<'a> {
             config.display().to_string(),
             "--router-id".into(),
             "real-vllm".into(),
+            "--admin-listen".into(),
+            format!("127.0.0.1:{admin_port}"),
+            // The checks read each pick from the answer.
+            "--decision-header".into(),
         ];
         args.extend(certs.leaf_flags("router")?);
         let router = Proc::spawn(
@@ -347,6 +354,7 @@ impl<'a> ModelRun<'a> {
             subscribers,
             router,
             router_url: format!("http://127.0.0.1:{http_port}"),
+            admin_url: format!("http://127.0.0.1:{admin_port}"),
             checks: Vec::new(),
         })
     }
@@ -401,7 +409,7 @@ impl<'a> ModelRun<'a> {
         );
 
         // Both pods routable, with the engine's facts.
-        let pods = wait_pods(http, &self.router_url, 2).await;
+        let pods = wait_pods(http, &self.admin_url, 2).await;
         self.check(
             "both pods Ready",
             pods.is_ok(),
@@ -437,7 +445,7 @@ impl<'a> ModelRun<'a> {
         self.check("engine facts", facts_ok, facts.join("; "));
 
         // The tokenizer check agrees with the engine.
-        let verdict = wait_verdict(http, &self.router_url, &self.name).await;
+        let verdict = wait_verdict(http, &self.admin_url, &self.name).await;
         let v = verdict
             .as_ref()
             .map(|v| v.to_string())
@@ -674,7 +682,7 @@ impl<'a> ModelRun<'a> {
         let mut most = 0;
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline && !tasks.iter().all(|t| t.is_finished()) {
-            if let Ok(pods) = debug_pods(http, &self.router_url).await {
+            if let Ok(pods) = debug_pods(http, &self.admin_url).await {
                 for p in pods {
                     if p["pod"] == pod.as_str() {
                         most = most.max(p["unrouted"].as_u64().unwrap_or(0));
@@ -703,9 +711,9 @@ impl<'a> ModelRun<'a> {
         );
         self.engines[i].start(opts, &name, &dir, &logs)?;
         self.engines[i].wait_healthy(http).await?;
-        wait_pods(http, &self.router_url, 2).await?;
+        wait_pods(http, &self.admin_url, 2).await?;
         let pod = format!("real-vllm/{}-{i}", self.name);
-        let p = debug_pods(http, &self.router_url)
+        let p = debug_pods(http, &self.admin_url)
             .await?
             .into_iter()
             .find(|p| p["pod"] == pod.as_str())

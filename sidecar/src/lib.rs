@@ -51,8 +51,10 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 /// Sockets bound before [`run`] (so tests bind `127.0.0.1:0` and read the port back).
 #[derive(Debug)]
 pub struct Listeners {
-    /// `/live`, `/ready`, `/metrics`, `/debug/state`.
+    /// `/live`, `/ready`, `/metrics`.
     pub http: TcpListener,
+    /// `/debug/state`; `None` serves it nowhere.
+    pub debug: Option<TcpListener>,
 }
 
 /// Why the sidecar could not run.
@@ -140,12 +142,15 @@ async fn start_and_serve(
 ) -> Result<(), RunError> {
     let Tasks { stop, tracker } = tasks;
     let Checked { tls, plan_file } = checked;
-    let http = listeners.http;
+    let debug = listeners
+        .debug
+        .map(|l| (l, server::debug_app(Arc::clone(shared))));
+    for (listener, app) in
+        std::iter::once((listeners.http, server::app(Arc::clone(shared)))).chain(debug)
     {
-        let app = server::app(Arc::clone(shared));
         let stop = stop.clone();
         tracker.spawn(async move {
-            let served = axum::serve(http, app)
+            let served = axum::serve(listener, app)
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await;
             if let Err(e) = served {
