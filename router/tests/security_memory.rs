@@ -1,7 +1,8 @@
 //! The router binary's memory under hostile 32 MiB bodies (`0,0,0,…` in the fields a body
 //! parser would build values for): its peak resident set (`VmHWM`) may grow by less than four
 //! times the body. A bound on memory, not a timing: it holds on a loaded machine. The figures
-//! are printed (`--nocapture`) and recorded in docs/bench/security.md.
+//! are printed (`--nocapture`) and recorded in docs/bench/security.md; `KVSIGHT_ROUTER_BIN`
+//! measures another build of the binary (one without `--admin-listen`, for a before figure).
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -72,23 +73,27 @@ fn a_32_mib_body_of_zeros_costs_the_router_under_four_times_its_size() {
         .unwrap();
     let p = |f: &str| dir.join(f).display().to_string();
     let (http, admin) = (free_port(), free_port());
-    let router = Router(
-        Command::new(env!("CARGO_BIN_EXE_kvsight-router"))
-            .args([
-                "--tls-cert",
-                &p("router.pem"),
-                "--tls-key",
-                &p("router-key.pem"),
-            ])
-            .args(["--tls-ca", &p("ca.pem")])
-            .args(["--listen", &format!("127.0.0.1:{http}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .args(["--quic-listen", "127.0.0.1:0"])
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let other = std::env::var("KVSIGHT_ROUTER_BIN").ok();
+    let mut cmd = Command::new(
+        other
+            .as_deref()
+            .unwrap_or(env!("CARGO_BIN_EXE_kvsight-router")),
     );
+    cmd.args([
+        "--tls-cert",
+        &p("router.pem"),
+        "--tls-key",
+        &p("router-key.pem"),
+    ])
+    .args(["--tls-ca", &p("ca.pem")])
+    .args(["--listen", &format!("127.0.0.1:{http}")])
+    .args(["--quic-listen", "127.0.0.1:0"])
+    .env("RUST_LOG", "error")
+    .stdout(Stdio::null());
+    if other.is_none() {
+        cmd.args(["--admin-listen", &format!("127.0.0.1:{admin}")]);
+    }
+    let router = Router(cmd.spawn().unwrap());
     let pid = router.0.id();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let client = reqwest::Client::builder().no_proxy().build().unwrap();
