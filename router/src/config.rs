@@ -328,7 +328,7 @@ pub struct PodsConfig {
     /// Which pod names a sidecar may register. `certificate` (default): only names a URI SAN
     /// `kvsight://pod/<namespace>/<name>` of its certificate grants (a name ending in `*` grants
     /// a prefix), as the Helm chart issues them. `any`: any name, for certificates issued
-    /// without such SANs (the behaviour before names were tied to certificates); either way a
+    /// without such SANs (a certificate shared by every pod); either way a
     /// name held by a live connection with another certificate is refused.
     pub identity: PodIdentityMode,
     /// Most sidecar connections open at once (QUIC); one more is refused at the handshake.

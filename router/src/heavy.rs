@@ -1,9 +1,8 @@
 //! The pool CPU-heavy work runs in: tokenizing and parsing large bodies, building the
-//! tokenizers sidecars send. Run on the async workers, two large prompts held every worker for
-//! seconds and `/health` went unanswered; here they run on blocking threads, at most
-//! `limits.heavyWorkers` at once, with at most `limits.heavyQueue` more waiting (one past that is
-//! refused with 503 and `Retry-After`). Probes, metrics and streaming answers stay on the async
-//! workers and never wait behind this work.
+//! tokenizers sidecars send. It runs on blocking threads, at most `limits.heavyWorkers` at once,
+//! with at most `limits.heavyQueue` more waiting (one past that is refused with 503 and
+//! `Retry-After`), so probes, metrics and streaming answers stay on the async workers and never
+//! wait behind it (docs/decisions/0101-heavy-work-pool.md).
 
 use std::sync::Arc;
 

@@ -136,7 +136,7 @@ fn a_32_mib_body_of_zeros_costs_the_router_under_four_times_its_size() {
             grew / 1024
         );
     }
-    // Two at once, as the probe sent them.
+    // Two at once, as a hostile client would send them.
     let two = rt.block_on(async {
         let send = |path: &'static str| {
             let (client, base) = (client.clone(), base.clone());
