@@ -410,10 +410,14 @@ impl<'o> Bench<'o> {
         }
         cluster::wait_idle(pods, http, Duration::from_secs(120)).await?;
         let before = counters(pods, http).await?;
-        let stale0 = if rk.predicts() {
-            staleness_buckets(http, &router.urls).await.ok()
-        } else {
-            None
+        // kvsight's metrics are on its replicas' admin listeners.
+        let admins: Option<Vec<String>> = router
+            .kvsight
+            .filter(|_| rk.predicts())
+            .map(|d| d.replicas.iter().map(|r| r.admin.clone()).collect());
+        let stale0 = match &admins {
+            Some(a) => staleness_buckets(http, a).await.ok(),
+            None => None,
         };
         let procs = router.procs();
         let cpu0: f64 = procs.iter().map(|p| p.cpu_seconds()).sum();
@@ -438,12 +442,12 @@ impl<'o> Bench<'o> {
             delta.push(cold.pod.counters(http).await?);
             cold.leave(rk, &router.urls, http).await?;
         }
-        let staleness_ms = match stale0 {
-            Some(b0) => staleness_buckets(http, &router.urls)
+        let staleness_ms = match (stale0, &admins) {
+            (Some(b0), Some(a)) => staleness_buckets(http, a)
                 .await
                 .ok()
                 .and_then(|b1| staleness_quantiles(&b0, &b1)),
-            None => None,
+            _ => None,
         };
         let replicas = router.urls.len();
         router.stop().await;

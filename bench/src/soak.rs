@@ -384,7 +384,7 @@ async fn reload(routers: &[KvsightRouter], http: &reqwest::Client, variant: bool
 
 async fn metrics(r: &KvsightRouter, http: &reqwest::Client) -> Result<String> {
     Ok(http
-        .get(format!("{}/metrics", r.url))
+        .get(format!("{}/metrics", r.admin))
         .send()
         .await?
         .text()

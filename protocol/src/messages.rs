@@ -461,9 +461,56 @@ fn in_range(field: &'static str, v: u64, lo: u64, hi: u64) -> Result<(), Invalid
     }
 }
 
+/// Longest string a `Hello` may carry (a URL, a model name, a label value, a version). A frame
+/// may be 16 MiB; a router keeps every `Hello` for as long as its pod is connected.
+pub const MAX_HELLO_STRING: usize = 2048;
+/// Most entries in each of a `Hello`'s lists (models, LoRA adapters, labels).
+pub const MAX_HELLO_LIST: usize = 1024;
+
+fn bounded_str(field: &'static str, v: &str) -> Result<(), InvalidField> {
+    if v.len() <= MAX_HELLO_STRING {
+        Ok(())
+    } else {
+        invalid(field, format!("{} bytes, over {MAX_HELLO_STRING}", v.len()))
+    }
+}
+
+fn bounded_list<'a>(
+    field: &'static str,
+    items: impl ExactSizeIterator<Item = &'a str>,
+) -> Result<(), InvalidField> {
+    if items.len() > MAX_HELLO_LIST {
+        return invalid(
+            field,
+            format!("{} entries, over {MAX_HELLO_LIST}", items.len()),
+        );
+    }
+    for v in items {
+        bounded_str(field, v)?;
+    }
+    Ok(())
+}
+
 impl Hello {
-    /// Checks every number against what a real engine can report.
+    /// Checks every number against what a real engine can report, and every string and list
+    /// against [`MAX_HELLO_STRING`] and [`MAX_HELLO_LIST`].
     pub fn validate(&self) -> Result<(), InvalidField> {
+        let p = &self.pod;
+        bounded_str("Hello.pod.name", &p.name)?;
+        bounded_str("Hello.pod.namespace", &p.namespace)?;
+        bounded_str("Hello.pod.url", &p.url)?;
+        bounded_list("Hello.pod.labels", p.labels.keys().map(String::as_str))?;
+        bounded_list("Hello.pod.labels", p.labels.values().map(String::as_str))?;
+        bounded_list("Hello.models", self.models.iter().map(String::as_str))?;
+        bounded_list(
+            "Hello.lora_adapters",
+            self.lora_adapters.iter().map(String::as_str),
+        )?;
+        bounded_str("Hello.sidecar_version", &self.sidecar_version)?;
+        bounded_str("Hello.engine.engine_version", &self.engine.engine_version)?;
+        if let Some(t) = &self.tokenizer {
+            bounded_str("Hello.tokenizer.digest", &t.digest)?;
+        }
         let e = &self.engine;
         in_range(
             "Hello.engine.block_size",

@@ -53,7 +53,7 @@ async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
         )
         .unwrap();
     }
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
 
     let prompt =
         json!({"model": MODEL, "prompt": "Which of the seven bridges should we repair first?"});
@@ -126,7 +126,7 @@ async fn three_sim_pods_concentrate_a_shared_prefix_then_spread_after_a_reload_t
         drop(reg);
         sims.push(sim);
     }
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     let system = "You are a careful assistant who answers in complete sentences. ".repeat(10);
     let batch = |tag: &'static str| {
         let (router, system) = (router.clone(), system.clone());

@@ -51,8 +51,10 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 /// Sockets bound before [`run`] (so tests bind `127.0.0.1:0` and read the port back).
 #[derive(Debug)]
 pub struct Listeners {
-    /// `/live`, `/ready`, `/metrics`, `/debug/state`.
+    /// `/live`, `/ready`, `/metrics`.
     pub http: TcpListener,
+    /// `/debug/state`; `None` serves it nowhere.
+    pub debug: Option<TcpListener>,
 }
 
 /// Why the sidecar could not run.
@@ -139,7 +141,7 @@ async fn start_and_serve(
     checked: Checked,
 ) -> Result<(), RunError> {
     let Checked { tls, plan_file } = checked;
-    serve_http(listeners.http, shared, tasks);
+    serve_http(listeners, shared, tasks);
     let client = VllmClient::new(&config.vllm_url);
     let Some((facts, mirror)) = start_engine_view(&client, config, shared, shutdown, tasks).await?
     else {
@@ -155,18 +157,25 @@ async fn start_and_serve(
     Ok(())
 }
 
-/// The health, readiness and metrics endpoints, until the tasks stop.
-fn serve_http(http: TcpListener, shared: &Arc<Shared>, tasks: &Tasks) {
-    let app = server::app(Arc::clone(shared));
-    let stop = tasks.stop.clone();
-    tasks.tracker.spawn(async move {
-        let served = axum::serve(http, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "HTTP server failed");
-        }
-    });
+/// The health, readiness and metrics endpoints, and the debug endpoint when it has a listener
+/// of its own, until the tasks stop.
+fn serve_http(listeners: Listeners, shared: &Arc<Shared>, tasks: &Tasks) {
+    let debug = listeners
+        .debug
+        .map(|l| (l, server::debug_app(Arc::clone(shared))));
+    for (listener, app) in
+        std::iter::once((listeners.http, server::app(Arc::clone(shared)))).chain(debug)
+    {
+        let stop = tasks.stop.clone();
+        tasks.tracker.spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+    }
 }
 
 /// Starting: waits for vLLM's health and facts, builds the mirror, subscribes to KV events and

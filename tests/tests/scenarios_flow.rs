@@ -55,11 +55,11 @@ fn config(pods: Vec<PodSpec>) -> ClusterConfig {
     cfg
 }
 
-/// The body of `GET path` on router `r`.
+/// The body of `GET path` on router `r`'s admin listener.
 async fn router_get(cluster: &Cluster, r: usize, path: &str) -> String {
     cluster
         .http
-        .get(format!("{}{path}", cluster.routers[r].url()))
+        .get(format!("{}{path}", cluster.routers[r].admin_url()))
         .send()
         .await
         .unwrap()

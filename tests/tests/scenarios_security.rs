@@ -82,7 +82,7 @@ async fn a_pod_without_a_ca_signed_certificate_never_receives_a_request() {
     let pods: serde_json::Value = serde_json::from_str(
         &cluster
             .http
-            .get(format!("{}/debug/pods", cluster.routers[0].url()))
+            .get(format!("{}/debug/pods", cluster.routers[0].admin_url()))
             .send()
             .await
             .unwrap()

@@ -7,6 +7,7 @@
 //! from the configured CA; nothing else can register an address to receive user traffic.
 
 mod endpoint;
+mod peer;
 mod stream;
 mod tls;
 
@@ -14,6 +15,7 @@ mod tls;
 pub mod dev_certs;
 
 pub use endpoint::{IDLE_TIMEOUT, KEEP_ALIVE, client, client_config, server, server_config};
+pub use peer::{POD_URI_PREFIX, PeerCertificate, PodGrant, pod_uri};
 pub use stream::{FramedRecv, FramedSend};
 pub use tls::{ALPN, TlsFiles, TlsMaterial, TlsReload};
 

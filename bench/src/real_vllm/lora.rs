@@ -115,7 +115,7 @@ impl ModelRun<'_> {
     pub(super) async fn lora_checks(&mut self, http: &reqwest::Client) -> Result<()> {
         let (a, b) = names(&self.name);
         // Reported: each pod's adapters, as its sidecar told the router, equal its engine's.
-        let pods = debug_pods(http, &self.router_url).await?;
+        let pods = debug_pods(http, &self.admin_url).await?;
         let mut reported = Vec::new();
         let mut equal = true;
         for (i, e) in self.engines.iter().enumerate() {
@@ -244,9 +244,9 @@ impl ModelRun<'_> {
                 .find(|x| x["pod"] == key.as_str())
                 .and_then(|x| x["load"]["seq"].as_u64())
         };
-        let s0 = seq(&debug_pods(http, &self.router_url).await?).unwrap_or(0);
+        let s0 = seq(&debug_pods(http, &self.admin_url).await?).unwrap_or(0);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while seq(&debug_pods(http, &self.router_url).await?).unwrap_or(0) < s0 + 2 {
+        while seq(&debug_pods(http, &self.admin_url).await?).unwrap_or(0) < s0 + 2 {
             if Instant::now() > deadline {
                 long.abort();
                 bail!("{key} sent no load report within 10 s");

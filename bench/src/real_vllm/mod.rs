@@ -456,6 +456,8 @@ struct ModelRun<'a> {
     subscribers: Vec<Subscriber>,
     router: Proc,
     router_url: String,
+    /// The router's admin listener (`/debug/pods`, `/metrics`).
+    admin_url: String,
     checks: Vec<Check>,
     /// LoRA enabled, adapters loaded (see `lora.rs`).
     lora: bool,
@@ -471,7 +473,8 @@ impl<'a> ModelRun<'a> {
         http: &reqwest::Client,
         lora: bool,
     ) -> Result<ModelRun<'a>> {
-        let (http_port, quic_port) = (free_tcp_port()?, free_udp_port()?);
+        let (http_port, quic_port, admin_port) =
+            (free_tcp_port()?, free_udp_port()?, free_tcp_port()?);
         let config = opts.work.join("router.yaml");
         // Weights are neutral for base-model requests (every pod scores the same).
         let weights = if lora {
@@ -492,6 +495,10 @@ impl<'a> ModelRun<'a> {
             config.display().to_string(),
             "--router-id".into(),
             "real-vllm".into(),
+            "--admin-listen".into(),
+            format!("127.0.0.1:{admin_port}"),
+            // The checks read each pick from the answer.
+            "--decision-header".into(),
         ];
         args.extend(certs.leaf_flags("router")?);
         let router = Proc::spawn(
@@ -587,6 +594,7 @@ impl<'a> ModelRun<'a> {
             subscribers,
             router,
             router_url: format!("http://127.0.0.1:{http_port}"),
+            admin_url: format!("http://127.0.0.1:{admin_port}"),
             checks: Vec::new(),
             lora,
         })
@@ -642,7 +650,7 @@ impl<'a> ModelRun<'a> {
         );
 
         // Both pods routable, with the engine's facts.
-        let pods = wait_pods(http, &self.router_url, 2).await;
+        let pods = wait_pods(http, &self.admin_url, 2).await;
         self.check(
             "both pods Ready",
             pods.is_ok(),
@@ -678,7 +686,7 @@ impl<'a> ModelRun<'a> {
         self.check("engine facts", facts_ok, facts.join("; "));
 
         // The tokenizer check agrees with the engine.
-        let verdict = wait_verdict(http, &self.router_url, &self.name).await;
+        let verdict = wait_verdict(http, &self.admin_url, &self.name).await;
         let v = verdict
             .as_ref()
             .map(|v| v.to_string())
@@ -952,7 +960,7 @@ impl<'a> ModelRun<'a> {
         let deadline = Instant::now() + Duration::from_secs(60);
         let (t0, s0) = loop {
             if engine_metric(http, &engine, "vllm:num_requests_running").await? >= 1.0 {
-                let pods = debug_pods(http, &self.router_url).await?;
+                let pods = debug_pods(http, &self.admin_url).await?;
                 break (Instant::now(), of(&pods, "unrouted").0);
             }
             if Instant::now() > deadline || tasks.iter().all(|t| t.is_finished()) {
@@ -962,7 +970,7 @@ impl<'a> ModelRun<'a> {
         };
         let mut b = Bypass::default();
         loop {
-            let (seq, unrouted) = of(&debug_pods(http, &self.router_url).await?, "unrouted");
+            let (seq, unrouted) = of(&debug_pods(http, &self.admin_url).await?, "unrouted");
             if unrouted > 0 {
                 b.first = unrouted;
                 b.reports = seq.saturating_sub(s0);
@@ -985,7 +993,7 @@ impl<'a> ModelRun<'a> {
             }
             b.most = b
                 .most
-                .max(of(&debug_pods(http, &self.router_url).await?, "unrouted").1);
+                .max(of(&debug_pods(http, &self.admin_url).await?, "unrouted").1);
         }
         if tasks.iter().any(|t| t.is_finished()) {
             bail!("a bypassing generation ended before the routed requests were sent");
@@ -1007,9 +1015,9 @@ impl<'a> ModelRun<'a> {
         );
         self.engines[i].start(opts, &name, &dir, &logs, &ROUTED, None)?;
         self.engines[i].wait_healthy(http).await?;
-        wait_pods(http, &self.router_url, 2).await?;
+        wait_pods(http, &self.admin_url, 2).await?;
         let pod = format!("real-vllm/{}-{i}", self.name);
-        let p = debug_pods(http, &self.router_url)
+        let p = debug_pods(http, &self.admin_url)
             .await?
             .into_iter()
             .find(|p| p["pod"] == pod.as_str())

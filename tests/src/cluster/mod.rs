@@ -38,6 +38,9 @@ pub use kvsight_sidecar::counters::{PodCounters, parse_counters};
 /// How long [`eventually`] and the cluster's waits give a condition by default.
 pub const WAIT: Duration = Duration::from_secs(20);
 
+/// The namespace every pod of the cluster is in (`--pod-namespace`).
+pub const NAMESPACE: &str = "kvsight";
+
 /// Why a cluster (or one of its parts) could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -316,7 +319,7 @@ pub struct Pod {
 impl Pod {
     /// The key routers know this pod by.
     pub fn key(&self) -> String {
-        format!("kvsight/{}", self.spec.name)
+        format!("{NAMESPACE}/{}", self.spec.name)
     }
 
     /// vLLM's HTTP address.
@@ -342,6 +345,8 @@ impl Pod {
 pub struct RouterHandle {
     pub index: usize,
     pub http_addr: SocketAddr,
+    /// The admin listener: `/metrics`, `/debug/pods` (never on the API's address).
+    pub admin_addr: SocketAddr,
     pub quic_addr: SocketAddr,
     /// Its state, to look inside (registry, metrics).
     pub state: Arc<kvsight_router::State>,
@@ -352,6 +357,11 @@ pub struct RouterHandle {
 impl RouterHandle {
     pub fn url(&self) -> String {
         format!("http://{}", self.http_addr)
+    }
+
+    /// The admin listener's base URL (`/metrics`, `/debug/pods`).
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin_addr)
     }
 
     /// The phase this router holds for `pod_key`, or `None` when the pod is not registered.
@@ -452,6 +462,11 @@ impl Cluster {
         let err = |message: String| ClusterError::Router { index, message };
         let http_addr = http.local_addr().map_err(io("router HTTP address"))?;
         let quic_addr = quic.local_addr().map_err(io("router QUIC address"))?;
+        let admin = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+            .map_err(io("binding a router's admin port"))?;
+        let admin_addr = admin.local_addr().map_err(io("router admin address"))?;
         let path = self.router_config_path();
         let config = RouterConfig::load(&path).map_err(|e| err(e.to_string()))?;
         let run = kvsight_router::RunConfig {
@@ -468,10 +483,16 @@ impl Cluster {
                 .config
                 .router_tokenizers
                 .then(kvsight_router::tokenize::default_loader),
+            // The scenarios read each decision from the response.
+            decision_header: true,
         };
         let stop = CancellationToken::new();
         let state = kvsight_router::build_state(&run, &stop).map_err(|e| err(e.to_string()))?;
-        let listeners = kvsight_router::Listeners { http, quic };
+        let listeners = kvsight_router::Listeners {
+            http,
+            quic,
+            admin: Some(admin),
+        };
         let task = tokio::spawn(kvsight_router::serve(
             listeners,
             run,
@@ -481,6 +502,7 @@ impl Cluster {
         Ok(RouterHandle {
             index,
             http_addr,
+            admin_addr,
             quic_addr,
             state,
             stop,
@@ -558,7 +580,10 @@ impl Cluster {
                 std::fs::write(certs.join(format!("{name}-key.pem")), leaf.key)
                     .map_err(io("writing a key"))?;
             } else {
-                self.ca.write_leaves(&certs, &[(name, &[name.as_str()])])?;
+                // The URI SAN grants the pod its name (routers check it).
+                let grant = kvsight_transport::pod_uri(NAMESPACE, name);
+                self.ca
+                    .write_leaves(&certs, &[(name, &[name.as_str(), grant.as_str()])])?;
             }
         }
         let file = |f: String| certs.join(f).display().to_string();
@@ -567,7 +592,7 @@ impl Cluster {
             "--pod-name".into(),
             name.clone(),
             "--pod-namespace".into(),
-            "kvsight".into(),
+            NAMESPACE.into(),
             "--vllm-url".into(),
             pod.vllm_url(),
             "--advertise-url".into(),
@@ -654,7 +679,7 @@ impl Cluster {
                     let http = tokio::net::TcpListener::from_std(listener).ok()?;
                     tokio::select! {
                         r = kvsight_sidecar::run_with(
-                            kvsight_sidecar::Listeners { http },
+                            kvsight_sidecar::Listeners { http, debug: None },
                             config,
                             run_stop,
                             run_shared,
