@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::scheduler::scorers::ScorerKind;
 
@@ -34,7 +34,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 }
 
 /// The whole file.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RouterConfig {
     /// Pools, in order: a request goes to the first pool that lists its model. A model in no
@@ -51,7 +51,7 @@ pub struct RouterConfig {
 }
 
 /// A set of pods serving some models, with an optional context window and fallback.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolConfig {
     pub name: String,
@@ -70,7 +70,7 @@ pub struct PoolConfig {
 }
 
 /// Weights of the scorers: a pod's score is Σ weight × scorer value (each value in 0 – 1).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Weights {
     /// Fraction of the prompt's blocks resident on the pod (real cache, via its Bloom filter).
@@ -146,7 +146,7 @@ impl Weights {
 }
 
 /// When a pod counts as saturated and is skipped.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Saturation {
     /// Saturated at this many waiting requests (projected). Default 1.
@@ -165,7 +165,7 @@ impl Default for Saturation {
 }
 
 /// Scheduler settings.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct SchedulerConfig {
     pub weights: Weights,
@@ -208,7 +208,7 @@ impl SchedulerConfig {
 }
 
 /// Deadlines.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Timeouts {
     /// The one deadline for a whole request, first byte to last. Default 3600 s.
@@ -253,7 +253,7 @@ impl Timeouts {
 
 /// Bounds on everything a client controls; each refusal is counted in
 /// `kvsight_router_refused_total{reason}` (README, "Reliability / limits").
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Limits {
     /// Largest request body in bytes; a larger declared `Content-Length` is refused (413) before
@@ -294,7 +294,7 @@ impl Default for Limits {
 /// Which base URL a sidecar may advertise for its pod. A sidecar's certificate proves it is a
 /// sidecar, not where its pod is: without this check, one stolen certificate could point a pod
 /// entry at any host and receive (or redirect) the prompts routed to it.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct PodsConfig {
     /// Accept any advertised URL (the pre-issue-13 behaviour). Default false: the URL's host
