@@ -1,4 +1,4 @@
-//! Faults end to end (issue 13), on the loopback cluster: vllm-sim pods, real sidecars and
+//! Faults end to end, on the loopback cluster: vllm-sim pods, real sidecars and
 //! routers, mutual TLS, every part talking over sockets.
 //!
 //! - **An engine dies mid-stream**: its streams end with an error event, streams on the other pod
