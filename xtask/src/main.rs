@@ -12,19 +12,24 @@ use anyhow::{Context, Result, bail};
 
 mod chart;
 mod deps;
+mod history_lint;
 mod unsafe_check;
 
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check; one build of every target that is also clippy -D warnings; deps; every
+  ci      fmt check; one build of every target that is also clippy -D warnings; deps;
+          history-lint; every
           test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
           then `bench --quick` (once with one router each, once with two replicas), a
           1-minute `soak` and `real-vllm`
   deps    the crate graph is one-way: no dependency cycle between workspace crates (dev-
           dependencies included), and protocol, tokenizer, harness and simulator never depend
           on the router or the sidecar
+  history-lint
+          comments in *.rs carry no measurement history (issue numbers, work sessions, commit
+          hashes, run-by-run figures): that goes to docs/decisions/, linked from the comment
   fuzz    coverage-guided fuzzing: every fuzz target for --seconds N (default 60) each, one
           after another, with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP=1; installs
           cargo-fuzz if missing); names of targets after the flags run only those; fails
@@ -83,6 +88,7 @@ fn dispatch() -> Result<()> {
         "demo" => demo(&rest),
         "fuzz" => fuzz(&root, &rest),
         "deps" => deps::deps_check(),
+        "history-lint" => history_lint::history_lint(&root),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
@@ -155,6 +161,7 @@ fn ci(root: &Path) -> Result<()> {
         ])),
     )?;
     deps::deps_check()?;
+    history_lint::history_lint(root)?;
     unsafe_check::unsafe_confined(root)?;
     let python = venv
         .join()
