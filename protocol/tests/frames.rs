@@ -279,8 +279,8 @@ fn a_prefill_rate_that_is_not_finite_and_positive_is_refused_at_decode() {
     }
 }
 
-/// The input `cargo fuzz run frame_decode` found first (issue 13): a `Load` whose `kv_usage`
-/// is NaN. It decoded, and its re-encoding could not compare equal to it.
+/// An input `cargo fuzz run frame_decode` found: a `Load` whose `kv_usage` is NaN, which must
+/// not decode (a NaN never compares equal, not even to its own re-encoding).
 #[test]
 fn regression_fuzz_nan_kv_usage_frame() {
     let mut payload = vec![1u8]; // variant 1 = Load

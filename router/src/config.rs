@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::scheduler::scorers::ScorerKind;
 
@@ -34,7 +34,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 }
 
 /// The whole file.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RouterConfig {
     /// Pools, in order: a request goes to the first pool that lists its model. A model in no
@@ -51,7 +51,7 @@ pub struct RouterConfig {
 }
 
 /// A set of pods serving some models, with an optional context window and fallback.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolConfig {
     pub name: String,
@@ -70,7 +70,7 @@ pub struct PoolConfig {
 }
 
 /// Weights of the scorers: a pod's score is Σ weight × scorer value (each value in 0 – 1).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Weights {
     /// Fraction of the prompt's blocks resident on the pod (real cache, via its Bloom filter).
@@ -93,7 +93,7 @@ pub struct Weights {
     /// going there within `affinityTtlSeconds`; `crate::homes`) scores higher, and a busy home
     /// may start the prompt a little later than a free pod and still compete (a full one too):
     /// where a prefix evicted everywhere returns, and what keeps tenants from spreading over
-    /// every pod past saturation. Default 3 (router/README.md has what it was measured to do);
+    /// every pod past saturation. Default 3 (see docs/decisions/0006-homes.md);
     /// 0 turns homes off. A companion of `prefix`, so it counts only while `prefix` is above 0
     /// (`prefix: 0` spreads a shared prefix, as operators expect).
     pub affinity: f64,
@@ -146,7 +146,7 @@ impl Weights {
 }
 
 /// When a pod counts as saturated and is skipped.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Saturation {
     /// Saturated at this many waiting requests (projected). Default 1.
@@ -165,7 +165,7 @@ impl Default for Saturation {
 }
 
 /// Scheduler settings.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct SchedulerConfig {
     pub weights: Weights,
@@ -208,7 +208,7 @@ impl SchedulerConfig {
 }
 
 /// Deadlines.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Timeouts {
     /// The one deadline for a whole request, first byte to last. Default 3600 s.
@@ -261,8 +261,8 @@ impl Timeouts {
 }
 
 /// Bounds on everything a client controls; each refusal is counted in
-/// `kvsight_router_refused_total{reason}` (README, "Reliability / limits").
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// `kvsight_router_refused_total{reason}` (docs/operations.md, limits).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Limits {
     /// Largest request body in bytes; a larger declared `Content-Length` is refused (413) before
@@ -328,7 +328,7 @@ impl Default for Limits {
 /// sidecar; which pod names it may register comes from the certificate too, and its advertised
 /// URL must be its own address: without these checks, one stolen certificate could replace any
 /// pod in every router, or point a pod entry at any host and receive the prompts routed to it.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct PodsConfig {
     /// Which pod names a sidecar may register. `certificate` (default): only names a URI SAN
@@ -346,7 +346,7 @@ pub struct PodsConfig {
     /// router reads the connection more slowly (QUIC flow control then slows the sidecar).
     /// Default 1000 (a sidecar sends a few dozen: load, deltas, tokenizer chunks).
     pub messages_per_second: u32,
-    /// Accept any advertised URL (the pre-issue-13 behaviour). Default false: the URL's host
+    /// Accept any advertised URL (the behaviour before this check existed). Default false: the URL's host
     /// must be (or resolve to) the IP address the sidecar's QUIC connection comes from.
     pub trust_advertised_url: bool,
     /// Hosts accepted in advertised URLs whatever the connection's address (exact names or IP
@@ -368,7 +368,7 @@ impl Default for PodsConfig {
 }
 
 /// How a sidecar's pod name is checked ([`PodsConfig::identity`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum PodIdentityMode {
     /// The certificate's URI SANs must grant the name.

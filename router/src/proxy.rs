@@ -455,7 +455,13 @@ async fn forward(
     route.set(pool, "");
 
     let started = Instant::now();
-    let prompt = tokenize_prompt(state, &tokenizer_model(state, &model), parsed.input, bytes.len()).await?;
+    let prompt = tokenize_prompt(
+        state,
+        &tokenizer_model(state, &model),
+        parsed.input,
+        bytes.len(),
+    )
+    .await?;
     state
         .metrics
         .tokenize_seconds

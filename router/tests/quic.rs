@@ -514,10 +514,9 @@ async fn close_code(sc: &Sidecar) -> Option<u64> {
     }
 }
 
-/// Issue 13: a `Load` with a NaN KV use decoded and sat in the registry, where every threshold
-/// comparison with it is false (never saturated). Now the decoder refuses it: that one
-/// connection is closed as a protocol violation, its pod leaves, and the router and the other
-/// pods carry on.
+/// A `Load` with a NaN KV use would make every threshold comparison false (never saturated),
+/// so the decoder refuses it: that one connection is closed as a protocol violation, its pod
+/// leaves, and the router and the other pods carry on.
 #[tokio::test]
 async fn a_load_with_nan_kv_usage_closes_that_connection_only() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();

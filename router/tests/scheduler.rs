@@ -1046,10 +1046,9 @@ fn a_new_prefix_goes_where_the_lightest_working_set_lives() {
 /// Room is a difference between working sets, against what the lightest leaves free: one
 /// prefix more on a pod weighs more when its sibling already homes two than when it homes none,
 /// so the last tenants of a filling fleet are spread by working set and not by a moment's load.
-/// Scored as a share of the heaviest, the 3-against-2 gap was worth two thirds of the
-/// 1-against-0 gap (issue 16's run at 0.68 placed its 24 tenants 7 / 5 / 6 / 6 that way); as a
-/// difference against a quarter of the whole cache, the same (and 7 / 5 / 6 / 6 came back in 2
-/// runs of 11).
+/// Scored as a share of the heaviest, the 3-against-2 gap would be worth two thirds of the
+/// 1-against-0 gap; as a difference against a quarter of the whole cache, the same
+/// (docs/decisions/0011-room-floor.md).
 #[test]
 fn one_prefix_more_weighs_more_as_the_caches_fill() {
     // `lru` off: every pick here happens at one instant, so which pod it deems picked longest

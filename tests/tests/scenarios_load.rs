@@ -1,4 +1,4 @@
-//! Issue 6 scenarios about load the router did not send, warm-up, KV pressure and prefix caching
+//! Scenarios about load the router did not send, warm-up, KV pressure and prefix caching
 //! turned off. Each runs a loopback cluster (vllm-sim pods, real sidecars, a real router) and sends
 //! the same traffic through a router that cannot see — [`BlindRouter`], or kvsight with the
 //! relevant signal disabled by its config — and judges both by what the engines themselves count

@@ -1,4 +1,4 @@
-//! Nothing joins the router's pool without a certificate from the configured CA (issue 5): a
+//! Nothing joins the router's pool without a certificate from the configured CA: a
 //! pod whose sidecar presents a certificate from another CA — a valid certificate, a working
 //! engine, a sidecar that reports Ready — is never registered and never receives a request,
 //! while its legitimate neighbour serves everything.

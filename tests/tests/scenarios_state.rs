@@ -1,5 +1,6 @@
-//! Scenarios about the router's view staying true to the engines' real caches (issue 6, seed
-//! scenarios 7 and 9), on a loopback cluster: vllm-sim pods, real sidecars, real routers.
+//! Scenarios about the router's view staying true to the engines' real caches (scenarios 7 and
+//! 9 of docs/bench/README.md's table), on a loopback cluster: vllm-sim pods, real sidecars,
+//! real routers.
 //!
 //! - **Eviction truth**: once other traffic evicted a shared prefix from pod A, kvsight stops
 //!   crediting A with it (its prediction of cached tokens matches what A's engine then reports),

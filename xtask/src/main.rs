@@ -13,13 +13,15 @@ use anyhow::{Context, Result, bail};
 mod chart;
 mod deps;
 mod fn_length;
+mod history_lint;
 mod unsafe_check;
 
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check; one build of every target that is also clippy -D warnings; deps; every
+  ci      fmt check; one build of every target that is also clippy -D warnings; deps;
+          history-lint; every
           test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
           then `bench --quick` (once with one router each, once with two replicas), a
           1-minute `soak` and `real-vllm`
@@ -29,6 +31,9 @@ commands:
   fn-length
           no function outside tests over 120 lines (long orchestrators are split into
           named phases)
+  history-lint
+          comments in *.rs carry no measurement history (issue numbers, work sessions, commit
+          hashes, run-by-run figures): that goes to docs/decisions/, linked from the comment
   fuzz    coverage-guided fuzzing: every fuzz target for --seconds N (default 60) each, one
           after another, with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP=1; installs
           cargo-fuzz if missing); names of targets after the flags run only those; fails
@@ -88,6 +93,7 @@ fn dispatch() -> Result<()> {
         "fuzz" => fuzz(&root, &rest),
         "deps" => deps::deps_check(),
         "fn-length" => fn_length::check(&root),
+        "history-lint" => history_lint::history_lint(&root),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
@@ -160,6 +166,7 @@ fn ci(root: &Path) -> Result<()> {
         ])),
     )?;
     deps::deps_check()?;
+    history_lint::history_lint(root)?;
     unsafe_check::unsafe_confined(root)?;
     let python = venv
         .join()
@@ -203,7 +210,7 @@ fn ci(root: &Path) -> Result<()> {
     )?;
     // The 1-minute soak: 1,000 streaming clients, two routers, eight pods crashing, leaving,
     // joining and reloading; failures outside the injected faults and descriptor growth fail it.
-    // Memory is judged only in runs of ten minutes or more (README, Reliability).
+    // Memory is judged only in runs of ten minutes or more (docs/bench/README.md, "Soak").
     soak(root, &["--minutes".to_owned(), "1".to_owned()])?;
     // A real vLLM in the loop (installed from PyPI once per machine; failing to install fails).
     real_vllm(root, &[])?;
