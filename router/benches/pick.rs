@@ -1,7 +1,9 @@
 //! Hot paths of the router: a pick over 64 pods for a 512-block chain (cold, partial and the
 //! worst case where every pod holds the whole chain), given the chain's hashes as the router
 //! computes them before taking the registry lock, and once more with the hashing of the 8,192
-//! tokens included; and tokenize + hash of a ~2k-token chat
+//! tokens included; the same pick over a fleet of 1,000 pods holding 80,000 blocks each (cold,
+//! a few pods holding the chain, partial, and every pod holding it); and tokenize + hash of a
+//! ~2k-token chat
 //! with the project's own tokenizer (byte-level BPE, the tokenizer's fast path) and, when the
 //! fixture is beside the checkout, with Phi-3-mini's (sentencepiece-style: `tokenizers`' full
 //! pipeline). Besides criterion's figures, each pick case prints its p50
@@ -12,7 +14,9 @@
 //! after a few thousand picks and the bench measures the all-saturated fallback instead of the
 //! case it names.
 //!
-//! `cargo bench -p kvsight-router --bench pick`
+//! `cargo bench -p kvsight-router --bench pick`; `KVSIGHT_PICK_ONLY=1000x512_cold` builds and
+//! samples only the pick cases whose name holds that text (criterion's own filter only skips
+//! its timing, and the 1,000-pod clusters take seconds to build).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -28,9 +32,32 @@ use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
 use kvsight_router::tokenize::model_tokenizer;
 
-const PODS: usize = 64;
 const BLOCKS: usize = 512;
 const BS: u32 = 16;
+
+/// One shape of cluster the pick is measured on.
+struct Fleet {
+    pods: usize,
+    /// Blocks each pod holds besides the chain's (its filter is sized for 100,000).
+    other_blocks: u64,
+    /// Single picks timed for the printed p50 / p99.
+    samples: usize,
+}
+
+/// The cluster of one model the router usually fronts.
+const SMALL: Fleet = Fleet {
+    pods: 64,
+    other_blocks: 20_000,
+    samples: 20_000,
+};
+
+/// A fleet at the scale `cargo xtask fleet` measures with real processes: 1,000 pods whose
+/// caches are mostly full.
+const LARGE: Fleet = Fleet {
+    pods: 1_000,
+    other_blocks: 80_000,
+    samples: 5_000,
+};
 
 /// How many leading blocks of the chain pod `i` holds.
 type Held = fn(usize) -> usize;
@@ -47,7 +74,10 @@ fn hello(i: usize) -> Hello {
         },
         sidecar_version: "bench".into(),
         load_interval_ms: 3_600_000,
-        ..messages::hello(&format!("pod-{i}"), &format!("http://10.0.0.{i}:8000"))
+        ..messages::hello(
+            &format!("pod-{i}"),
+            &format!("http://10.0.{}.{}:8000", i / 250, i % 250),
+        )
     }
 }
 
@@ -60,16 +90,22 @@ fn load(i: usize) -> Load {
     }
 }
 
-/// 64 Ready pods; pod `i` holds the first `held(i)` blocks of `chain` plus 20 000 other blocks.
-fn registry(chain: &[u64], held: impl Fn(usize) -> usize) -> (Registry, Vec<(String, ConnId)>) {
+/// `fleet.pods` Ready pods; pod `i` holds the first `held(i)` blocks of `chain` plus
+/// `fleet.other_blocks` other blocks.
+fn registry(
+    fleet: &Fleet,
+    chain: &[u64],
+    held: impl Fn(usize) -> usize,
+) -> (Registry, Vec<(String, ConnId)>) {
     let now = Instant::now();
     let mut reg = Registry::new();
-    let mut conns = Vec::with_capacity(PODS);
+    let mut conns = Vec::with_capacity(fleet.pods);
     let params = FilterParams::for_capacity(100_000, 0.01);
-    for i in 0..PODS {
+    for i in 0..fleet.pods {
         let (key, conn) = reg.register(hello(i), now);
         reg.apply_load(&key, conn, load(i), now).unwrap();
-        let other = (0..20_000u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
+        let other =
+            (0..fleet.other_blocks).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
         let keys = chain[..held(i)].iter().copied().chain(other);
         let f = BloomFilter::from_keys(params, keys).unwrap();
         reg.apply_snapshot(&key, conn, &f.snapshot()).unwrap();
@@ -124,13 +160,30 @@ fn pick_bench(c: &mut Criterion) {
         cache_salt: None,
         exclude: &[],
     };
-    let cases: [(&str, Held); 3] = [
+    let small: [(&str, Held); 3] = [
         ("cold", |_| 0),
         ("partial", |i| (i * 8) % BLOCKS),
         ("worst_all_hold_whole_chain", |_| BLOCKS),
     ];
-    for (name, held) in cases {
-        let (mut reg, conns) = registry(&chain, held);
+    // At fleet scale a popular prefix lives on a handful of pods (its homes), not on all.
+    let large: [(&str, Held); 4] = [
+        ("cold", |_| 0),
+        ("eight_hold_whole_chain", |i| {
+            if i % 125 == 0 { BLOCKS } else { 0 }
+        }),
+        ("partial", |i| (i * 8) % BLOCKS),
+        ("worst_all_hold_whole_chain", |_| BLOCKS),
+    ];
+    let runs = small
+        .iter()
+        .map(|case| (&SMALL, case))
+        .chain(large.iter().map(|case| (&LARGE, case)));
+    let only = std::env::var("KVSIGHT_PICK_ONLY").unwrap_or_default();
+    for (fleet, &(name, held)) in runs {
+        if !format!("pick_{}x512_{name}", fleet.pods).contains(&only) {
+            continue;
+        }
+        let (mut reg, conns) = registry(fleet, &chain, held);
         // As the router does before taking the lock; the pods' shapes never change here, so
         // the same hashes serve every pick.
         let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&reg, &req), req.tokens);
@@ -143,12 +196,13 @@ fn pick_bench(c: &mut Criterion) {
             .unwrap()
         };
         for (label, hashing) in [("", false), ("_with_hashing", true)] {
-            // Only the cold case, where hashing weighs most, is repeated with it.
-            if hashing && name != "cold" {
+            // Only the small cold case, where hashing weighs most, is repeated with it (hashing
+            // does not depend on the number of pods).
+            if hashing && (name != "cold" || fleet.pods != SMALL.pods) {
                 continue;
             }
-            let mut samples = Vec::with_capacity(20_000);
-            for _ in 0..20_000 {
+            let mut samples = Vec::with_capacity(fleet.samples);
+            for _ in 0..fleet.samples {
                 report_all(&mut reg, &conns);
                 let t = Instant::now();
                 let d = black_box(pick(&mut reg, hashing));
@@ -159,8 +213,9 @@ fn pick_bench(c: &mut Criterion) {
                 );
             }
             let (p50, p99) = percentiles(samples);
-            eprintln!("pick 64 pods x 512 blocks [{name}{label}]: p50 {p50:?}, p99 {p99:?}");
-            c.bench_function(&format!("pick_64x512_{name}{label}"), |b| {
+            let pods = fleet.pods;
+            eprintln!("pick {pods} pods x 512 blocks [{name}{label}]: p50 {p50:?}, p99 {p99:?}");
+            c.bench_function(&format!("pick_{pods}x512_{name}{label}"), |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
