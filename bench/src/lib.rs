@@ -15,6 +15,7 @@ pub mod client;
 pub mod cluster;
 pub mod cost;
 pub mod faults;
+pub mod fleet;
 pub mod procs;
 pub mod real_vllm;
 pub mod report;
