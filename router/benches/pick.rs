@@ -2,12 +2,12 @@
 //! worst case where every pod holds the whole chain), given the chain's hashes as the router
 //! computes them before taking the registry lock, and once more with the hashing of the 8,192
 //! tokens included; the same pick over a fleet of 1,000 pods holding 80,000 blocks each (cold,
-//! a few pods holding the chain, partial, and every pod holding it); and tokenize + hash of a
-//! ~2k-token chat
-//! with the project's own tokenizer (byte-level BPE, the tokenizer's fast path) and, when the
-//! fixture is beside the checkout, with Phi-3-mini's (sentencepiece-style: `tokenizers`' full
-//! pipeline). Besides criterion's figures, each pick case prints its p50
-//! and p99 over 20 000 single picks (criterion reports means, the target is a p99).
+//! a few pods holding the chain, partial, and every pod holding it), each also with `affinity: 0`
+//! (no home: the home's exact match of every pod left out); and tokenize + hash of a ~2k-token
+//! chat with the project's own tokenizer (byte-level BPE, the tokenizer's fast path) and, when
+//! the fixture is beside the checkout, with Phi-3-mini's (sentencepiece-style: `tokenizers`' full
+//! pipeline). Besides criterion's figures, each pick case prints its p50 and p99 over 20 000
+//! single picks (2 000 at 1,000 pods; criterion reports means, the target is a p99).
 //!
 //! Every pod reports a fresh load before each timed pick (untimed), as sidecars do between
 //! picks: without it the picks pile up as "sent since the sample", every pod ends up saturated
@@ -56,7 +56,7 @@ const SMALL: Fleet = Fleet {
 const LARGE: Fleet = Fleet {
     pods: 1_000,
     other_blocks: 80_000,
-    samples: 5_000,
+    samples: 2_000,
 };
 
 /// How many leading blocks of the chain pod `i` holds.
@@ -135,6 +135,31 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     )
 }
 
+/// The named pick benches of one case that `only` selects: (name, scheduler, hashing included).
+/// Hashing only on the small cold case, where it weighs most (it does not depend on the number
+/// of pods); `affinity: 0` only on the fleet.
+fn variants<'s>(
+    fleet: &Fleet,
+    name: &str,
+    sched: &'s Scheduler,
+    no_home: &'s Scheduler,
+    only: &str,
+) -> Vec<(String, &'s Scheduler, bool)> {
+    let small = fleet.pods == SMALL.pods;
+    [
+        ("", sched, false),
+        ("_with_hashing", sched, true),
+        ("_affinity_off", no_home, false),
+    ]
+    .into_iter()
+    .filter(|&(label, _, hashing)| {
+        (!hashing || (name == "cold" && small)) && (label != "_affinity_off" || !small)
+    })
+    .map(|(label, s, hashing)| (format!("pick_{}x512_{name}{label}", fleet.pods), s, hashing))
+    .filter(|(bench, _, _)| bench.contains(only))
+    .collect()
+}
+
 fn pick_bench(c: &mut Criterion) {
     let tokens: Vec<u32> = (0..BLOCKS as u32 * BS).map(|t| t % 50_000).collect();
     let chain = hash_chain(
@@ -152,6 +177,11 @@ fn pick_bench(c: &mut Criterion) {
         ..SchedulerConfig::default()
     };
     let sched = Scheduler::new(&cfg);
+    // The same without the prompt's home (`affinity: 0`): how much of a fleet-scale pick the
+    // home's exact matching of every pod costs.
+    let mut no_home = cfg.clone();
+    no_home.weights.affinity = 0.0;
+    let no_home = Scheduler::new(&no_home);
     let req = PickRequest {
         model: "m",
         pool: None,
@@ -180,14 +210,15 @@ fn pick_bench(c: &mut Criterion) {
         .chain(large.iter().map(|case| (&LARGE, case)));
     let only = std::env::var("KVSIGHT_PICK_ONLY").unwrap_or_default();
     for (fleet, &(name, held)) in runs {
-        if !format!("pick_{}x512_{name}", fleet.pods).contains(&only) {
+        let variants = variants(fleet, name, &sched, &no_home, &only);
+        if variants.is_empty() {
             continue;
         }
         let (mut reg, conns) = registry(fleet, &chain, held);
         // As the router does before taking the lock; the pods' shapes never change here, so
         // the same hashes serve every pick.
         let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&reg, &req), req.tokens);
-        let mut pick = |reg: &mut Registry, hashing: bool| {
+        let mut pick = |reg: &mut Registry, sched: &Scheduler, hashing: bool| {
             if hashing {
                 sched.pick(reg, &req, Instant::now())
             } else {
@@ -195,17 +226,12 @@ fn pick_bench(c: &mut Criterion) {
             }
             .unwrap()
         };
-        for (label, hashing) in [("", false), ("_with_hashing", true)] {
-            // Only the small cold case, where hashing weighs most, is repeated with it (hashing
-            // does not depend on the number of pods).
-            if hashing && (name != "cold" || fleet.pods != SMALL.pods) {
-                continue;
-            }
+        for (bench, sched, hashing) in variants {
             let mut samples = Vec::with_capacity(fleet.samples);
             for _ in 0..fleet.samples {
                 report_all(&mut reg, &conns);
                 let t = Instant::now();
-                let d = black_box(pick(&mut reg, hashing));
+                let d = black_box(pick(&mut reg, sched, hashing));
                 samples.push(t.elapsed());
                 assert!(
                     !d.all_saturated,
@@ -213,15 +239,17 @@ fn pick_bench(c: &mut Criterion) {
                 );
             }
             let (p50, p99) = percentiles(samples);
-            let pods = fleet.pods;
-            eprintln!("pick {pods} pods x 512 blocks [{name}{label}]: p50 {p50:?}, p99 {p99:?}");
-            c.bench_function(&format!("pick_{pods}x512_{name}{label}"), |b| {
+            eprintln!(
+                "{bench}: p50 {p50:?}, p99 {p99:?} over {} picks",
+                fleet.samples
+            );
+            c.bench_function(&bench, |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
                         report_all(&mut reg, &conns);
                         let t = Instant::now();
-                        black_box(pick(&mut reg, hashing));
+                        black_box(pick(&mut reg, sched, hashing));
                         total += t.elapsed();
                     }
                     total
