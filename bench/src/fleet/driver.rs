@@ -96,6 +96,8 @@ pub struct Row {
     pub udp_rcvbuf_errors: Option<u64>,
     /// Snapshots sent again (a router asked, or a connection fell behind the deltas).
     pub resyncs: u64,
+    /// Swarm connections that failed before every pod was routable (counted in `errors` too).
+    pub connect_errors: u64,
     pub errors: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_error: Option<String>,
@@ -292,6 +294,7 @@ impl Cell<'_> {
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         let connect_s = started.elapsed().as_secs_f64();
+        let connect_errors = swarm_stats(self.http, &stats_url).await?.errors;
         println!("fleet: every pod routable on every router after {connect_s:.1} s");
 
         // Ingest: a warm-up, then the window (both fixed lengths of measurement).
@@ -421,6 +424,7 @@ impl Cell<'_> {
             requests: opts.requests,
             udp_rcvbuf_errors: udp_drops,
             resyncs: last.resyncs,
+            connect_errors,
             errors,
             first_error,
         })

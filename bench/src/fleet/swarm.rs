@@ -101,6 +101,7 @@ pub struct StatsReport {
 /// Counters every task adds to.
 #[derive(Debug)]
 pub struct Stats {
+    started: Instant,
     pods: usize,
     ready: std::sync::atomic::AtomicBool,
     connected: AtomicI64,
@@ -118,6 +119,7 @@ pub struct Stats {
 impl Stats {
     fn new(pods: usize, routers: usize) -> Self {
         Stats {
+            started: Instant::now(),
             pods,
             ready: Default::default(),
             connected: AtomicI64::new(0),
@@ -135,7 +137,10 @@ impl Stats {
 
     fn error(&self, what: String) {
         self.errors.fetch_add(1, Ordering::Relaxed);
-        eprintln!("swarm: {what}");
+        eprintln!(
+            "swarm: {:.1} s: {what}",
+            self.started.elapsed().as_secs_f64()
+        );
         lock(&self.first_error).get_or_insert(what);
     }
 
