@@ -23,8 +23,8 @@ commands:
   ci      fmt check; one build of every target that is also clippy -D warnings; deps;
           history-lint; every
           test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
-          then `bench --quick` (once with one router each, once with two replicas), a
-          1-minute `soak` and `real-vllm`
+          then `bench --quick` (once with one router each, once with two replicas),
+          `fleet --quick`, a 1-minute `soak` and `real-vllm`
   deps    the crate graph is one-way: no dependency cycle between workspace crates (dev-
           dependencies included), and protocol, tokenizer, harness and simulator never depend
           on the router or the sidecar
@@ -43,6 +43,13 @@ commands:
           target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
           --routers, --rates, --pods, --time-scale, --router-replicas, --client-spread; see
           `kvsight-bench run --help`)
+  fleet   what a router costs at fleet scale: a swarm of N emulated pods (real QUIC + mutual
+          TLS, counting-filter snapshots and deltas, loads, an OpenAI stub each) into R real
+          routers, for N = 100, 300, 1000 and R = 1, 4, 10; writes target/bench/fleet.json and
+          fleet.md (router RSS, ingest CPU, staleness, bytes/s, pick and added latency);
+          --quick: 200 pods into 2 routers for 20 s, failing when a figure is missing or
+          anything erred (flags: --pods, --routers, --resident-blocks, --changes-per-s; see
+          `kvsight-bench fleet --help`)
   soak    --minutes N (default 10): 1,000 concurrent streaming clients through 2 router
           replicas to 8 simulated pods (vllm-sim + sidecar processes) on loopback, while
           engines crash and restart, pods leave and join and the config is reloaded; reports
@@ -87,6 +94,7 @@ fn dispatch() -> Result<()> {
         "ci" => ci(&root),
         "bench" => bench(&root, &rest),
         "soak" => soak(&root, &rest),
+        "fleet" => fleet(&root, &rest),
         "criterion" => criterion(&rest),
         "real-vllm" => real_vllm(&root, &rest),
         "demo" => demo(&rest),
@@ -208,6 +216,9 @@ fn ci(root: &Path) -> Result<()> {
         ]
         .map(str::to_owned),
     )?;
+    // Fleet scale, small: 200 emulated pods into 2 routers for 20 s; fails on a missing figure
+    // or any error, never on speed.
+    fleet(root, &["--quick".to_owned()])?;
     // The 1-minute soak: 1,000 streaming clients, two routers, eight pods crashing, leaving,
     // joining and reloading; failures outside the injected faults and descriptor growth fail it.
     // Memory is judged only in runs of ten minutes or more (docs/bench/README.md, "Soak").
@@ -570,6 +581,13 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
         &["--target".as_ref(), target.as_os_str()],
         extra,
     )
+}
+
+/// Builds the release binaries and runs `kvsight-bench fleet`, passing the flags through;
+/// output in `target/bench` (`fleet.json`, `fleet.md`, `fleet/` with certificates and logs).
+fn fleet(root: &Path, extra: &[String]) -> Result<()> {
+    let out = root.join("target/bench");
+    kvsight_bench(root, "fleet", &["--out".as_ref(), out.as_os_str()], extra)
 }
 
 /// Builds the release binaries and runs `kvsight-bench soak` (default `--minutes 10`), passing
