@@ -455,22 +455,38 @@ struct Eligible<'p> {
     too_long: bool,
 }
 
-/// A home is worth what it holds beyond the commons, so every match is needed (a pick with a
-/// home only; ≤ a few dozen pods of a model); and nothing while it carries far more than its
-/// share of the load.
+/// Pods whose matches the commons are read from when a model has more: the median of a sample
+/// this size estimates it well, and matching every pod of a large fleet exactly would cost a
+/// full filter scan per pod on every pick with a home.
+pub const COMMONS_SAMPLE: usize = 32;
+
+/// A home is worth what it holds beyond the commons (what most other pods hold too); nothing
+/// while it carries far more than its share of the load. Up to [`COMMONS_SAMPLE`] other pods'
+/// matches are computed exactly (all of them in a fleet that small, an even spread otherwise).
+/// The eviction share counts every sibling; one not matched counts as caching nothing, the most
+/// a copy there could evict.
 fn claim_homes(
     eligible: &mut [Candidate<'_>],
     m: &PromptHashes<'_>,
     req: &PickRequest<'_>,
     now: Instant,
 ) {
-    for c in eligible.iter_mut() {
+    let n = eligible.len();
+    let sampled: Vec<usize> = if n <= COMMONS_SAMPLE + 1 {
+        (0..n).collect()
+    } else {
+        (0..COMMONS_SAMPLE).map(|k| k * n / COMMONS_SAMPLE).collect()
+    };
+    for &j in &sampled {
+        m.resolve(&mut eligible[j], req, now);
+    }
+    for c in eligible.iter_mut().filter(|c| c.home_depth > 0) {
         m.resolve(c, req, now);
     }
-    let mut others: Vec<usize> = Vec::with_capacity(eligible.len());
+    let mut others: Vec<usize> = Vec::with_capacity(sampled.len());
     let load = |c: &Candidate<'_>| f64::from(c.projection.running + c.projection.waiting);
-    let mean_load = eligible.iter().map(load).sum::<f64>() / eligible.len() as f64;
-    for i in 0..eligible.len() {
+    let mean_load = eligible.iter().map(load).sum::<f64>() / n as f64;
+    for i in 0..n {
         if eligible[i].home_depth == 0 {
             continue;
         }
@@ -478,14 +494,15 @@ fn claim_homes(
         // Pods hashing the prompt another way (block size) count blocks another way.
         let chain = eligible[i].chain_index;
         others.extend(
-            (0..eligible.len())
-                .filter(|&j| j != i && eligible[j].chain_index == chain)
-                .map(|j| eligible[j].matched_blocks),
+            sampled
+                .iter()
+                .filter(|&&j| j != i && eligible[j].chain_index == chain)
+                .map(|&j| eligible[j].matched_blocks),
         );
         let overloaded = crate::homes::overloaded(load(&eligible[i]), mean_load);
         let commons = crate::homes::commons(&mut others);
         // What a move would evict: see `homes::eviction_share`.
-        let evicts = (0..eligible.len())
+        let evicts = (0..n)
             .filter(|&j| j != i)
             .map(|j| {
                 let o = &eligible[j];
