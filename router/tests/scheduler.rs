@@ -1393,3 +1393,40 @@ fn a_restarted_replica_learns_the_homes_from_the_sidecars_memory() {
         }
     }
 }
+
+/// In a fleet larger than `COMMONS_SAMPLE` the commons come from a sample of the other pods'
+/// matches, not from matching every pod: a prefix most pods hold is still nobody's home, and a
+/// tenant's prefix only its home holds still claims in full.
+#[test]
+fn the_commons_of_a_large_fleet_come_from_a_sample_and_still_tell_shared_from_own() {
+    use kvsight_router::scheduler::COMMONS_SAMPLE;
+    let pods = 3 * COMMONS_SAMPLE;
+    let s = with_affinity(3.0);
+    let others: Vec<String> = (1..pods).map(|i| format!("pod-{i}")).collect();
+    let others: Vec<&str> = others.iter().map(String::as_str).collect();
+    let t = prompt(71, 1100);
+    let chain = hash_chain(&ChainSeed::BASE, &t, BS as usize);
+    for shared in [true, false] {
+        let mut c = Cluster::new(pods, true);
+        assert_eq!(pick_excluding(&mut c, &s, &t, &others).pod, "ns/pod-0");
+        c.settle();
+        // Past the pending TTL: only the filters speak.
+        c.now += Duration::from_secs(3);
+        // Free pools of 136 blocks: a copy of the prompt's 68 would take half of one.
+        for i in 0..pods {
+            c.report(i, load(0, 0, 0.864));
+            if shared || i == 0 {
+                c.holds(i, &chain);
+            }
+        }
+        let d = s.pick(&mut c.reg, &req(&t), c.now).unwrap();
+        let home = d.scores.iter().find(|(k, _)| *k == "affinity").unwrap().1;
+        if shared {
+            assert!(home < 1e-9, "held by every pod: nobody's home: {d:?}");
+        } else {
+            // `homes::claim` with half a pool evicted and nothing common: 0.5.
+            assert_eq!(d.pod, "ns/pod-0", "{d:?}");
+            assert!((home - 0.5).abs() < 0.02, "{d:?}");
+        }
+    }
+}

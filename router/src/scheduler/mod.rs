@@ -462,9 +462,8 @@ pub const COMMONS_SAMPLE: usize = 32;
 
 /// A home is worth what it holds beyond the commons (what most other pods hold too); nothing
 /// while it carries far more than its share of the load. Up to [`COMMONS_SAMPLE`] other pods'
-/// matches are computed exactly (all of them in a fleet that small, an even spread otherwise).
-/// The eviction share counts every sibling; one not matched counts as caching nothing, the most
-/// a copy there could evict.
+/// matches are computed exactly (all of them in a fleet that small, an even spread otherwise),
+/// and the commons and the eviction share are read from them.
 fn claim_homes(
     eligible: &mut [Candidate<'_>],
     m: &PromptHashes<'_>,
@@ -475,7 +474,9 @@ fn claim_homes(
     let sampled: Vec<usize> = if n <= COMMONS_SAMPLE + 1 {
         (0..n).collect()
     } else {
-        (0..COMMONS_SAMPLE).map(|k| k * n / COMMONS_SAMPLE).collect()
+        (0..COMMONS_SAMPLE)
+            .map(|k| k * n / COMMONS_SAMPLE)
+            .collect()
     };
     for &j in &sampled {
         m.resolve(&mut eligible[j], req, now);
@@ -502,9 +503,10 @@ fn claim_homes(
         let overloaded = crate::homes::overloaded(load(&eligible[i]), mean_load);
         let commons = crate::homes::commons(&mut others);
         // What a move would evict: see `homes::eviction_share`.
-        let evicts = (0..n)
-            .filter(|&j| j != i)
-            .map(|j| {
+        let evicts = sampled
+            .iter()
+            .filter(|&&j| j != i)
+            .map(|&j| {
                 let o = &eligible[j];
                 crate::homes::eviction_share(
                     o.new_blocks,
