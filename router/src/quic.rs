@@ -18,8 +18,8 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use kvsight_protocol::frame::FrameError;
 use kvsight_protocol::tokenizer_transfer::{TokenizerAssembler, TokenizerFiles};
 use kvsight_protocol::{
-    CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Refused, RouterMessage,
-    SidecarMessage, TokenizerRequest, Welcome,
+    CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Placement, RecentPlacement, Refused,
+    RouterMessage, SidecarMessage, TokenizerRequest, Welcome,
 };
 use kvsight_transport::{FramedRecv, FramedSend, PeerCertificate, TransportError};
 use tokio::sync::mpsc;
@@ -426,6 +426,80 @@ impl Bucket {
 }
 
 impl Session<'_> {
+    /// Asks for the primary model's tokenizer when the sidecar has one and this router has not
+    /// (and the config does not name one for it: a configured tokenizer is never replaced);
+    /// returns the model asked for.
+    async fn request_tokenizer(
+        &self,
+        send: &mut FramedSend,
+    ) -> Result<Option<String>, TransportError> {
+        let (state, hello) = (self.state, self.hello);
+        if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
+            && state.tokenizers.can_load()
+            && !state.tokenizers.is_configured(model)
+            && !state.tokenizers.has(model, Some(&info.digest))
+        {
+            send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
+                model: model.clone(),
+            }))
+            .await?;
+            return Ok(Some(model.clone()));
+        }
+        Ok(None)
+    }
+
+    /// Other replicas' placements on this pod, while sharing is on.
+    fn placements(
+        &self,
+        entries: &[Placement],
+        now: std::time::Instant,
+    ) -> Result<(), RegistryError> {
+        let Some(policy) = self.state.live().scheduler.peer_policy() else {
+            return Ok(());
+        };
+        let transit = self.conn.rtt() / 2;
+        let done = self.state.registry().apply_placements(
+            self.key,
+            self.conn_id,
+            entries,
+            now,
+            transit,
+            policy,
+        )?;
+        let metrics = &self.state.metrics;
+        metrics.placements("received", done.placements as u64);
+        metrics.home_handovers.inc_by(done.handovers as u64);
+        Ok(())
+    }
+
+    /// The homes the sidecar remembered, while sharing and homes are on.
+    fn recent(
+        &self,
+        entries: &[RecentPlacement],
+        now: std::time::Instant,
+    ) -> Result<(), RegistryError> {
+        let Some(ttl) = self
+            .state
+            .live()
+            .scheduler
+            .peer_policy()
+            .and_then(|p| p.homes_ttl)
+        else {
+            return Ok(());
+        };
+        let transit = self.conn.rtt() / 2;
+        let handed = self.state.registry().apply_recent(
+            self.key,
+            self.conn_id,
+            entries,
+            now,
+            transit,
+            ttl,
+        )?;
+        self.state.metrics.home_handovers.inc_by(handed as u64);
+        Ok(())
+    }
+
     /// Serves the connection until either side ends it: in-flight counts out, loads, filter
     /// snapshots and deltas and tokenizer chunks in.
     async fn run(
@@ -459,20 +533,7 @@ impl Session<'_> {
             }
         };
         let mut expired = std::pin::pin!(expired);
-        // The primary model's tokenizer, when the sidecar has one and this router has not (and
-        // the config does not name one for it: a configured tokenizer is never replaced).
-        let mut requested: Option<String> = None;
-        if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
-            && state.tokenizers.can_load()
-            && !state.tokenizers.is_configured(model)
-            && !state.tokenizers.has(model, Some(&info.digest))
-        {
-            send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
-                model: model.clone(),
-            }))
-            .await?;
-            requested = Some(model.clone());
-        }
+        let requested = self.request_tokenizer(send).await?;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut seq = 0u64;
@@ -550,33 +611,8 @@ impl Session<'_> {
                             }
                             Ok(())
                         }
-                        SidecarMessage::Placements(p) => match state.live().scheduler.peer_policy() {
-                            Some(policy) => {
-                                let transit = conn.rtt() / 2;
-                                let applied = state.registry().apply_placements(
-                                    key, conn_id, &p.entries, now, transit, policy,
-                                );
-                                applied.map(|done| {
-                                    state.metrics.placements("received", done.placements as u64);
-                                    state.metrics.home_handovers.inc_by(done.handovers as u64);
-                                })
-                            }
-                            None => Ok(()),
-                        },
-                        SidecarMessage::RecentPlacements(r) => {
-                            match state.live().scheduler.peer_policy().and_then(|p| p.homes_ttl) {
-                                Some(ttl) => {
-                                    let transit = conn.rtt() / 2;
-                                    state
-                                        .registry()
-                                        .apply_recent(key, conn_id, &r.entries, now, transit, ttl)
-                                        .map(|handed| {
-                                            state.metrics.home_handovers.inc_by(handed as u64);
-                                        })
-                                }
-                                None => Ok(()),
-                            }
-                        }
+                        SidecarMessage::Placements(p) => self.placements(&p.entries, now),
+                        SidecarMessage::RecentPlacements(r) => self.recent(&r.entries, now),
                         SidecarMessage::Goodbye(g) => {
                             info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
                             return Ok(());
