@@ -526,20 +526,38 @@ async fn connect_once(
     stats: &Stats,
     cancel: &CancellationToken,
 ) -> Result<()> {
+    let Some((conn, tx, rx)) = handshake(pod, endpoint, config, j, addr, stats, cancel).await?
+    else {
+        return Ok(());
+    };
+    stats.welcomed.fetch_add(1, Ordering::Relaxed);
+    stats.connected.fetch_add(1, Ordering::Relaxed);
+    let _connected = Connected(&stats.connected);
+    serve(pod, &conn, tx, rx, j, stats, cancel).await
+}
+
+/// Connects and says `Hello` until the router's `Welcome`; `None` when the swarm stopped
+/// meanwhile.
+async fn handshake(
+    pod: &Pod,
+    endpoint: &quinn::Endpoint,
+    config: quinn::ClientConfig,
+    j: usize,
+    addr: SocketAddr,
+    stats: &Stats,
+    cancel: &CancellationToken,
+) -> Result<Option<(quinn::Connection, FramedSend, FramedRecv)>> {
     let connecting = endpoint.connect_with(config, addr, "localhost")?;
     let conn = tokio::select! {
-        () = cancel.cancelled() => return Ok(()),
+        () = cancel.cancelled() => return Ok(None),
         c = timeout(HANDSHAKE_TIMEOUT, connecting) => c.context("handshake timed out")??,
     };
     let (send, recv) = conn.open_bi().await?;
     let (mut tx, mut rx) = (FramedSend::new(send), FramedRecv::new(recv));
-    let bytes = &stats.bytes[j];
-    let sent = |n: usize| {
-        bytes.fetch_add(n as u64, Ordering::Relaxed);
-    };
-    sent(tx.send(&SidecarMessage::Hello(pod.hello.clone())).await?);
+    let n = tx.send(&SidecarMessage::Hello(pod.hello.clone())).await?;
+    stats.bytes[j].fetch_add(n as u64, Ordering::Relaxed);
     let answer = tokio::select! {
-        () = cancel.cancelled() => return Ok(()),
+        () = cancel.cancelled() => return Ok(None),
         a = timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>()) => a.context("no Welcome")??,
     };
     match answer {
@@ -548,10 +566,24 @@ async fn connect_once(
         Some(_) => bail!("a message before Welcome"),
         None => bail!("the router closed the stream before Welcome"),
     }
-    stats.welcomed.fetch_add(1, Ordering::Relaxed);
-    stats.connected.fetch_add(1, Ordering::Relaxed);
-    let _connected = Connected(&stats.connected);
+    Ok(Some((conn, tx, rx)))
+}
 
+/// A welcomed connection: a snapshot and the latest load, then deltas and loads as the pod
+/// publishes them, a snapshot again whenever the router asks or a delta is missed.
+async fn serve(
+    pod: &Pod,
+    conn: &quinn::Connection,
+    mut tx: FramedSend,
+    mut rx: FramedRecv,
+    j: usize,
+    stats: &Stats,
+    cancel: &CancellationToken,
+) -> Result<()> {
+    let bytes = &stats.bytes[j];
+    let sent = |n: usize| {
+        bytes.fetch_add(n as u64, Ordering::Relaxed);
+    };
     // Subscribe before the snapshot so that no delta after it is missed.
     let mut deltas = pod.deltas.subscribe();
     // The published state and its version, under one lock.
