@@ -230,18 +230,13 @@ fn make_model(opts: &Options, name: &str, tokenizer: &Path) -> Result<PathBuf> {
         return Ok(dir);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let out = std::process::Command::new(&opts.python)
-        .arg(opts.scripts.join("make_tiny_model.py"))
-        .arg(tokenizer)
-        .arg(&dir)
-        .output()
-        .context("running make_tiny_model.py")?;
-    if !out.status.success() {
-        bail!(
-            "make_tiny_model.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_script(
+        "make_tiny_model.py",
+        std::process::Command::new(&opts.python)
+            .arg(opts.scripts.join("make_tiny_model.py"))
+            .arg(tokenizer)
+            .arg(&dir),
+    )?;
     std::fs::write(&stamp, digest)?;
     Ok(dir)
 }
@@ -1288,14 +1283,23 @@ async fn post(http: &reqwest::Client, url: &str, body: &Value) -> Result<(Value,
     Ok((serde_json::from_slice(&bytes)?, decision))
 }
 
+/// A Python helper script run to its end; its standard error in the error when it fails.
+fn run_script(name: &str, cmd: &mut std::process::Command) -> Result<()> {
+    let out = cmd.output().with_context(|| format!("running {name}"))?;
+    if !out.status.success() {
+        bail!("{name} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// `GET url` read as JSON, whatever its status.
+async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
+    let bytes = http.get(url).send().await?.bytes().await?;
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
 async fn debug_pods(http: &reqwest::Client, router: &str) -> Result<Vec<Value>> {
-    let bytes = http
-        .get(format!("{router}/debug/pods"))
-        .send()
-        .await?
-        .bytes()
-        .await?;
-    let v: Value = serde_json::from_slice(&bytes)?;
+    let v = get_json(http, &format!("{router}/debug/pods")).await?;
     Ok(v["pods"].as_array().cloned().unwrap_or_default())
 }
 
@@ -1321,13 +1325,7 @@ async fn wait_pods(http: &reqwest::Client, router: &str, n: usize) -> Result<Vec
 async fn wait_verdict(http: &reqwest::Client, router: &str, model: &str) -> Result<Value> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let bytes = http
-            .get(format!("{router}/debug/pods"))
-            .send()
-            .await?
-            .bytes()
-            .await?;
-        let v: Value = serde_json::from_slice(&bytes)?;
+        let v = get_json(http, &format!("{router}/debug/pods")).await?;
         let t = &v["tokenizers"][model];
         if !t.is_null() && t["verdict"] != "unchecked" {
             return Ok(t.clone());
