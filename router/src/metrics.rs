@@ -131,59 +131,79 @@ impl Metrics {
             prom: PromRegistry::default(),
         };
         // prometheus-client appends `_total` to counters itself.
+        m.register_picks(&mut prom);
+        m.register_sight(&mut prom);
+        m.register_replicas(&mut prom);
+        m.register_outcomes(&mut prom);
+        m.register_tokenizers(&mut prom);
+        m.register_admission(&mut prom);
+        m.register_pod_gauges(&mut prom);
+        Metrics { prom, ..m }
+    }
+
+    /// What a pick costs and finds: requests, pick and tokenize times, match ratio, staleness.
+    fn register_picks(&self, prom: &mut PromRegistry) {
         prom.register(
             "kvsight_router_requests",
             "Requests by pool, pod and HTTP status",
-            m.requests.clone(),
+            self.requests.clone(),
         );
         prom.register(
             "kvsight_router_pick_seconds",
             "Time to pick a pod: hashing the prompt's blocks, waiting for the registry lock, filters and scorers",
-            m.pick_seconds.clone(),
+            self.pick_seconds.clone(),
         );
         prom.register(
             "kvsight_router_prefix_match_ratio",
             "Matched blocks over chain length on the chosen pod",
-            m.prefix_match_ratio.clone(),
+            self.prefix_match_ratio.clone(),
         );
         prom.register(
             "kvsight_router_tokenize_seconds",
             "Time to tokenize and hash a prompt",
-            m.tokenize_seconds.clone(),
+            self.tokenize_seconds.clone(),
         );
         prom.register(
             "kvsight_router_view_staleness_seconds",
             "A KV event published by an engine until this router's filter of that pod shows it (the sidecar's age of the delta plus half the QUIC round trip)",
-            m.view_staleness_seconds.clone(),
+            self.view_staleness_seconds.clone(),
         );
+    }
+
+    /// Sight (predicted against engine-reported cached tokens) and the latency the router adds.
+    fn register_sight(&self, prom: &mut PromRegistry) {
         prom.register(
             "kvsight_router_sight_error_tokens",
             "Predicted minus engine-reported cached prompt tokens (usage.prompt_tokens_details.\
              cached_tokens), per answer that carried them: 0 is an exact view, below 0 the \
              engine had more cached than this router knew, above 0 less",
-            m.sight_error_tokens.clone(),
+            self.sight_error_tokens.clone(),
         );
         prom.register(
             "kvsight_router_sight_predicted_cached_tokens",
             "Cached prompt tokens this router predicted, per pod, over the answers Sight measured",
-            m.sight_predicted_tokens.clone(),
+            self.sight_predicted_tokens.clone(),
         );
         prom.register(
             "kvsight_router_sight_engine_cached_tokens",
             "Cached prompt tokens the engine reported, per pod, over the answers Sight measured",
-            m.sight_engine_tokens.clone(),
+            self.sight_engine_tokens.clone(),
         );
         prom.register(
             "kvsight_router_added_latency_seconds",
             "Time the router adds before a request reaches its pod: from the body read to the \
              send to the pod that answers (tokenizing, picking, retried picks)",
-            m.added_latency_seconds.clone(),
+            self.added_latency_seconds.clone(),
         );
+    }
+
+    /// The saturation rule and what is shared with other replicas and sidecars.
+    fn register_replicas(&self, prom: &mut PromRegistry) {
         prom.register(
             "kvsight_router_saturation_skips",
             "Pods left out of picks by the saturation rule (busy or tight pods that would start \
              the request later than the best free pod; full pods while one is not full)",
-            m.saturation_skips.clone(),
+            self.saturation_skips.clone(),
         );
         prom.register(
             "kvsight_router_placements",
@@ -191,118 +211,133 @@ impl Metrics {
              sidecars, by outcome: shared (this replica's, handed to the sidecar), unsent (the \
              connection's queue was full: the other replicas never hear of it), received (the \
              other replicas' own)",
-            m.placements.clone(),
+            self.placements.clone(),
         );
         prom.register(
             "kvsight_router_home_handovers",
             "Prefix depths whose home this replica gave one pod and then handed to another \
              replica's placement of the same prefix made about together (each replica settles \
              such a race the same way)",
-            m.home_handovers.clone(),
+            self.home_handovers.clone(),
         );
         prom.register(
             "kvsight_router_sidecars_refused",
             "Sidecar connections refused, by reason (handshake: TLS or certificate name, \
              version: protocol version mismatch, protocol: no Hello or a malformed frame, \
              advertised_url: a pod URL that is not the peer's own address)",
-            m.sidecars_refused.clone(),
+            self.sidecars_refused.clone(),
         );
+    }
+
+    /// Retries, cut streams, refusals and reloads.
+    fn register_outcomes(&self, prom: &mut PromRegistry) {
         prom.register(
             "kvsight_router_retries",
             "Retries by reason (connect_refused, context_fallback)",
-            m.retries.clone(),
+            self.retries.clone(),
         );
         prom.register(
             "kvsight_router_stream_cuts",
             "Streams ended with an SSE error event, by reason (deadline, upstream)",
-            m.stream_cuts.clone(),
+            self.stream_cuts.clone(),
         );
         prom.register(
             "kvsight_router_refused",
             "Refusals by reason: body_bytes, body_read_time, header_read_time, header_bytes \
              (size or count of the request head), json_depth, chat_messages, prompt_bytes, \
              connections. Sidecars refused are in kvsight_router_sidecars_refused",
-            m.refused.clone(),
+            self.refused.clone(),
         );
         prom.register(
             "kvsight_router_config_reloads",
             "Config file reloads by outcome (applied, rejected)",
-            m.config_reloads.clone(),
+            self.config_reloads.clone(),
         );
         prom.register(
             "kvsight_router_tls_reloads",
             "Looks at changed TLS files by outcome (applied, unchanged, rejected); applied \
              material is used by new sidecar handshakes",
-            m.tls_reloads.clone(),
+            self.tls_reloads.clone(),
         );
+    }
+
+    /// Prefix mode, tokenizer checks and dialects, and tokenizers refused.
+    fn register_tokenizers(&self, prom: &mut PromRegistry) {
         prom.register(
             "kvsight_router_prefix_mode",
             "Requests by prefix mode: exact (tokenizer) or approximate (router-side memory)",
-            m.prefix_mode.clone(),
+            self.prefix_mode.clone(),
         );
         prom.register(
             "kvsight_router_tokenizer_checks",
             "Tokenizers compared with an engine's /tokenize, by model and outcome (agrees, \
              differs: the model is routed in approximate mode, error: no answer, tried again)",
-            m.tokenizer_checks.clone(),
+            self.tokenizer_checks.clone(),
         );
         prom.register(
             "kvsight_router_tokenizer_dialect_info",
             "1 for the dialect each model's prompts are tokenized in: transformers4 (also until \
              the check), transformers5 (tokenizer.json as is) or transformers5_rebuilt \
              (transformers 5's LlamaTokenizer); no series while the model is in approximate mode",
-            m.tokenizer_dialect.clone(),
-        );
-        prom.register(
-            "kvsight_router_inflight_body_bytes",
-            "Bytes of request bodies this replica holds now: read, being read, or parsed (as \
-             estimated); bounded by limits.inflightBodyBytes",
-            m.inflight_body_bytes.clone(),
-        );
-        prom.register(
-            "kvsight_router_heavy_jobs",
-            "Heavy jobs (tokenizing and parsing large bodies, building sidecars' tokenizers) \
-             admitted: waiting for a pool thread or running",
-            m.heavy_jobs.clone(),
-        );
-        prom.register(
-            "kvsight_router_heavy_jobs_running",
-            "Heavy jobs running on a pool thread",
-            m.heavy_jobs_running.clone(),
+            self.tokenizer_dialect.clone(),
         );
         prom.register(
             "kvsight_router_tokenizers_refused",
             "Tokenizers a sidecar sent that were not taken, by reason (unserved: a model the \
              sender does not serve, configured: the model's tokenizer comes from the config, \
              unusable: the files do not build a tokenizer)",
-            m.tokenizers_refused.clone(),
+            self.tokenizers_refused.clone(),
         );
+    }
+
+    /// Bodies held and heavy jobs admitted.
+    fn register_admission(&self, prom: &mut PromRegistry) {
+        prom.register(
+            "kvsight_router_inflight_body_bytes",
+            "Bytes of request bodies this replica holds now: read, being read, or parsed (as \
+             estimated); bounded by limits.inflightBodyBytes",
+            self.inflight_body_bytes.clone(),
+        );
+        prom.register(
+            "kvsight_router_heavy_jobs",
+            "Heavy jobs (tokenizing and parsing large bodies, building sidecars' tokenizers) \
+             admitted: waiting for a pool thread or running",
+            self.heavy_jobs.clone(),
+        );
+        prom.register(
+            "kvsight_router_heavy_jobs_running",
+            "Heavy jobs running on a pool thread",
+            self.heavy_jobs_running.clone(),
+        );
+    }
+
+    /// The per-pod gauges recomputed from the registry at scrape time.
+    fn register_pod_gauges(&self, prom: &mut PromRegistry) {
         prom.register(
             "kvsight_router_pods",
             "Registered pods by phase",
-            m.pods.clone(),
+            self.pods.clone(),
         );
         prom.register(
             "kvsight_router_inflight",
             "This replica's in-flight requests per pod",
-            m.inflight.clone(),
+            self.inflight.clone(),
         );
         prom.register(
             "kvsight_router_unrouted",
             "Load on the pod that no router sent, as its sidecar reports it",
-            m.unrouted.clone(),
+            self.unrouted.clone(),
         );
         prom.register(
             "kvsight_router_report_age_seconds",
             "Seconds since the pod's last load report",
-            m.report_age.clone(),
+            self.report_age.clone(),
         );
         prom.register(
             "kvsight_router_pod_prefix_cache_hit_ratio",
             "The pod's own prefix-cache hits over queries (tokens), from its reported counters",
-            m.hit_rate.clone(),
+            self.hit_rate.clone(),
         );
-        Metrics { prom, ..m }
     }
 
     pub fn request(&self, pool: &str, pod: &str, code: u16) {

@@ -18,8 +18,8 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use kvsight_protocol::frame::FrameError;
 use kvsight_protocol::tokenizer_transfer::{TokenizerAssembler, TokenizerFiles};
 use kvsight_protocol::{
-    CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Placement, RecentPlacement, Refused,
-    RouterMessage, SidecarMessage, TokenizerRequest, Welcome,
+    CacheDelta, CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Placement,
+    RecentPlacement, Refused, RouterMessage, SidecarMessage, TokenizerRequest, Welcome,
 };
 use kvsight_transport::{FramedRecv, FramedSend, PeerCertificate, TransportError};
 use tokio::sync::mpsc;
@@ -394,6 +394,22 @@ struct Session<'a> {
     messages_per_second: u32,
 }
 
+/// What the sidecar's messages build up over a connection.
+struct Inbound {
+    assembler: TokenizerAssembler,
+    bucket: Bucket,
+    /// The model whose tokenizer this router asked the sidecar for.
+    requested: Option<String>,
+    /// A snapshot was asked for and has not arrived yet.
+    resync_sent: bool,
+}
+
+/// Whether the connection goes on after a message.
+enum Next {
+    Continue,
+    End,
+}
+
 /// A token bucket over a connection's messages: `rate` per second, a second's worth of burst.
 struct Bucket {
     rate: f64,
@@ -509,7 +525,6 @@ impl Session<'_> {
     ) -> Result<(), TransportError> {
         let Session {
             state,
-            hello,
             key,
             conn_id,
             conn,
@@ -517,9 +532,8 @@ impl Session<'_> {
             interval,
             expires,
             messages_per_second,
+            ..
         } = *self;
-        let mut assembler = TokenizerAssembler::new();
-        let mut bucket = Bucket::new(messages_per_second);
         // A connection lives no longer than its certificate.
         let expiry = expires.map(|t| {
             Instant::now()
@@ -533,25 +547,21 @@ impl Session<'_> {
             }
         };
         let mut expired = std::pin::pin!(expired);
-        let requested = self.request_tokenizer(send).await?;
+        let mut inbound = Inbound {
+            assembler: TokenizerAssembler::new(),
+            bucket: Bucket::new(messages_per_second),
+            requested: self.request_tokenizer(send).await?,
+            resync_sent: false,
+        };
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut seq = 0u64;
-        let mut resync_sent = false;
         let (outbox, mut picks) = mpsc::channel(OUTBOX);
         state.registry().attach_outbox(key, conn_id, outbox);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => {
-                    let _ = send.send(&RouterMessage::Goodbye(Goodbye {
-                        reason: CloseReason::Shutdown,
-                        message: "router shutting down".into(),
-                    })).await;
-                    let _ = send.finish();
-                    // A close discards unsent stream data: give the Goodbye a bounded moment (a
-                    // sidecar closes as soon as it reads it).
-                    let _ = timeout(GOODBYE_GRACE, conn.closed()).await;
-                    close(conn, CloseReason::Shutdown, "router shutting down");
+                    self.say_goodbye(send).await;
                     return Ok(());
                 }
                 Some(routed) = picks.recv() => {
@@ -577,69 +587,112 @@ impl Session<'_> {
                             return Err(e);
                         }
                     };
-                    let wait = bucket.take();
-                    if !wait.is_zero() {
-                        tokio::time::sleep(wait).await;
-                    }
-                    let now = Instant::now().into_std();
-                    let applied = match msg {
-                        SidecarMessage::Load(l) => state.registry().apply_load(key, conn_id, l, now),
-                        SidecarMessage::CacheSnapshot(s) => {
-                            resync_sent = false;
-                            state.registry().apply_snapshot(key, conn_id, &s)
-                        }
-                        SidecarMessage::CacheDelta(d) => {
-                            let applied = state.registry().apply_delta(key, conn_id, &d);
-                            // Engine publish → sidecar send (the sidecar's clock), plus half the
-                            // round trip → applied here.
-                            if let (Ok(()), Some(age)) = (&applied, d.age_ms) {
-                                let transit = conn.rtt().as_secs_f64() / 2.0;
-                                state
-                                    .metrics
-                                    .view_staleness_seconds
-                                    .observe(f64::from(age) / 1000.0 + transit);
-                            }
-                            applied
-                        }
-                        SidecarMessage::TokenizerChunk(c) => {
-                            match assembler.push(c) {
-                                Ok(Some((model, files))) => {
-                                    accept_tokenizer(state, hello, requested.as_deref(), model, files);
-                                }
-                                Ok(None) => {}
-                                Err(e) => warn!(error = %e, "tokenizer transfer failed"),
-                            }
-                            Ok(())
-                        }
-                        SidecarMessage::Placements(p) => self.placements(&p.entries, now),
-                        SidecarMessage::RecentPlacements(r) => self.recent(&r.entries, now),
-                        SidecarMessage::Goodbye(g) => {
-                            info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
-                            return Ok(());
-                        }
-                        SidecarMessage::Hello(_) => {
-                            close(conn, CloseReason::ProtocolViolation, "second Hello");
-                            return Ok(());
-                        }
-                    };
-                    match applied {
-                        Ok(()) => {}
-                        Err(RegistryError::Filter(e)) => {
-                            // The filter was dropped: ask for a whole one, once until it arrives.
-                            if !resync_sent {
-                                warn!(error = %e, "filter out of step, requesting a snapshot");
-                                send.send(&RouterMessage::ResyncRequest).await?;
-                                resync_sent = true;
-                            }
-                        }
-                        // A newer connection of the same pod replaced this one.
-                        Err(RegistryError::NotRegistered(_)) => {
-                            close(conn, CloseReason::Shutdown, "replaced by a newer connection");
-                            return Ok(());
-                        }
+                    if let Next::End = self.receive(msg, &mut inbound, send).await? {
+                        return Ok(());
                     }
                 }
             }
         }
+    }
+
+    /// The router is shutting down: `Goodbye`, then close.
+    async fn say_goodbye(&self, send: &mut FramedSend) {
+        let _ = send
+            .send(&RouterMessage::Goodbye(Goodbye {
+                reason: CloseReason::Shutdown,
+                message: "router shutting down".into(),
+            }))
+            .await;
+        let _ = send.finish();
+        // A close discards unsent stream data: give the Goodbye a bounded moment (a sidecar
+        // closes as soon as it reads it).
+        let _ = timeout(GOODBYE_GRACE, self.conn.closed()).await;
+        close(self.conn, CloseReason::Shutdown, "router shutting down");
+    }
+
+    /// One message from the sidecar, after the rate limit: applied to the registry, or the end
+    /// of the connection.
+    async fn receive(
+        &self,
+        msg: SidecarMessage,
+        inbound: &mut Inbound,
+        send: &mut FramedSend,
+    ) -> Result<Next, TransportError> {
+        let (state, key, conn_id, conn) = (self.state, self.key, self.conn_id, self.conn);
+        let wait = inbound.bucket.take();
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        let now = Instant::now().into_std();
+        let applied = match msg {
+            SidecarMessage::Load(l) => state.registry().apply_load(key, conn_id, l, now),
+            SidecarMessage::CacheSnapshot(s) => {
+                inbound.resync_sent = false;
+                state.registry().apply_snapshot(key, conn_id, &s)
+            }
+            SidecarMessage::CacheDelta(d) => self.delta(&d),
+            SidecarMessage::TokenizerChunk(c) => {
+                match inbound.assembler.push(c) {
+                    Ok(Some((model, files))) => {
+                        accept_tokenizer(
+                            state,
+                            self.hello,
+                            inbound.requested.as_deref(),
+                            model,
+                            files,
+                        );
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!(error = %e, "tokenizer transfer failed"),
+                }
+                Ok(())
+            }
+            SidecarMessage::Placements(p) => self.placements(&p.entries, now),
+            SidecarMessage::RecentPlacements(r) => self.recent(&r.entries, now),
+            SidecarMessage::Goodbye(g) => {
+                info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
+                return Ok(Next::End);
+            }
+            SidecarMessage::Hello(_) => {
+                close(conn, CloseReason::ProtocolViolation, "second Hello");
+                return Ok(Next::End);
+            }
+        };
+        match applied {
+            Ok(()) => {}
+            Err(RegistryError::Filter(e)) => {
+                // The filter was dropped: ask for a whole one, once until it arrives.
+                if !inbound.resync_sent {
+                    warn!(error = %e, "filter out of step, requesting a snapshot");
+                    send.send(&RouterMessage::ResyncRequest).await?;
+                    inbound.resync_sent = true;
+                }
+            }
+            // A newer connection of the same pod replaced this one.
+            Err(RegistryError::NotRegistered(_)) => {
+                close(
+                    conn,
+                    CloseReason::Shutdown,
+                    "replaced by a newer connection",
+                );
+                return Ok(Next::End);
+            }
+        }
+        Ok(Next::Continue)
+    }
+
+    /// A filter delta, and the view's staleness it shows.
+    fn delta(&self, d: &CacheDelta) -> Result<(), RegistryError> {
+        let applied = self.state.registry().apply_delta(self.key, self.conn_id, d);
+        // Engine publish → sidecar send (the sidecar's clock), plus half the round trip →
+        // applied here.
+        if let (Ok(()), Some(age)) = (&applied, d.age_ms) {
+            let transit = self.conn.rtt().as_secs_f64() / 2.0;
+            self.state
+                .metrics
+                .view_staleness_seconds
+                .observe(f64::from(age) / 1000.0 + transit);
+        }
+        applied
     }
 }

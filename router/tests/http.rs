@@ -157,21 +157,10 @@ async fn ready_turns_503_when_draining_while_health_stays_200() {
 async fn models_lists_ready_pods_models_and_lora_cards_only() {
     let st = state(RouterConfig::default());
     add_pod(&st, "a", "http://127.0.0.1:9", &[], 0);
-    let (key, conn) = {
-        let mut reg = st.registry();
-        let mut h = hello("b", "http://127.0.0.1:9", &[]);
-        h.models = vec!["draining-only".into()];
-        h.lora_adapters.clear();
-        reg.register(h, std::time::Instant::now())
-    };
-    st.registry()
-        .apply_load(
-            &key,
-            conn,
-            load(Phase::Draining, 0, 0),
-            std::time::Instant::now(),
-        )
-        .unwrap();
+    let mut h = hello("b", "http://127.0.0.1:9", &[]);
+    h.models = vec!["draining-only".into()];
+    h.lora_adapters.clear();
+    add_hello(&st, h, Phase::Draining, 0);
     let (s, _, b) = call(st, Request::get("/v1/models").body(Body::empty()).unwrap()).await;
     assert_eq!(s, StatusCode::OK);
     let v: Value = serde_json::from_slice(&b).unwrap();
@@ -226,13 +215,9 @@ async fn tokenize_without_tokenizer_or_pod_is_an_openai_error() {
 
 #[tokio::test]
 async fn tokenize_answers_locally_with_the_models_tokenizer() {
-    let Some(dir) = kvsight_harness::or_skip(
-        "tokenize_answers_locally_with_the_models_tokenizer",
-        kvsight_sim::own_tokenizer::ensure_dir(),
-    ) else {
+    let Some(files) = own_files("tokenize_answers_locally_with_the_models_tokenizer") else {
         return;
     };
-    let files = kvsight_process::tokenizer_dir::read(&dir).unwrap();
     let direct = kvsight_tokenizer::ModelTokenizer::from_bytes(
         &files.tokenizer_json,
         files.tokenizer_config.as_deref(),

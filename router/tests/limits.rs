@@ -8,7 +8,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -20,11 +19,9 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use common::*;
 use kvsight_router::State;
-use kvsight_router::config::RouterConfig;
 
 /// Bound on every wait for the router in these tests.
 const WAIT: Duration = Duration::from_secs(10);
@@ -67,37 +64,14 @@ async fn pod() -> (String, Seen) {
     (format!("http://{}", serve(app).await), seen)
 }
 
-struct Running {
-    addr: SocketAddr,
-    state: Arc<State>,
-    _stop: tokio_util::sync::DropGuard,
-}
-
 /// The router's real server on `127.0.0.1:0` with `yaml` as config and one Ready pod at `pod`.
 async fn router(yaml: &str, pod: Option<&str>) -> Running {
-    let cfg = if yaml.is_empty() {
-        RouterConfig::default()
-    } else {
-        RouterConfig::from_yaml(yaml).unwrap()
-    };
+    let cfg = config_or_default(yaml);
     let st = state(cfg);
     if let Some(url) = pod {
         add_pod(&st, "a", url, &[], 0);
     }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    tokio::spawn(kvsight_router::server::serve(
-        listener,
-        kvsight_router::app(st.clone()),
-        st.clone(),
-        stop.clone(),
-    ));
-    Running {
-        addr,
-        state: st,
-        _stop: stop.drop_guard(),
-    }
+    serve_router(st).await
 }
 
 /// The router's answer on a raw connection: status, head, body.

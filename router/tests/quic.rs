@@ -14,11 +14,12 @@ use kvsight_protocol::messages::*;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::{Listeners, RunConfig, State, build_state, serve};
 use kvsight_transport::dev_certs::{DevCa, SecretDir};
-use kvsight_transport::{FramedRecv, FramedSend, TlsFiles, TlsMaterial, client};
+use kvsight_transport::{TlsFiles, TlsMaterial};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use tokio_util::sync::CancellationToken;
 
+use common::quic::{Sidecar, connect};
 use common::*;
 
 struct Running {
@@ -93,32 +94,9 @@ async fn start_config(
     }
 }
 
-struct Sidecar {
-    conn: quinn::Connection,
-    send: FramedSend,
-    recv: FramedRecv,
-    _endpoint: quinn::Endpoint,
-}
-
-async fn connect(tls: &TlsMaterial, addr: SocketAddr) -> anyhow::Result<Sidecar> {
-    let endpoint = client("127.0.0.1:0".parse()?, tls)?;
-    let conn = endpoint.connect(addr, "kvsight-router")?.await?;
-    let (send, recv) = conn.open_bi().await?;
-    Ok(Sidecar {
-        conn,
-        send: FramedSend::new(send),
-        recv: FramedRecv::new(recv),
-        _endpoint: endpoint,
-    })
-}
-
 impl Sidecar {
     async fn next(&mut self) -> RouterMessage {
-        tokio::time::timeout(Duration::from_secs(5), self.recv.recv::<RouterMessage>())
-            .await
-            .expect("router message within 5 s")
-            .unwrap()
-            .expect("stream open")
+        self.next_within(Duration::from_secs(5)).await
     }
 
     /// The next message that is not a periodic `Inflight`.
@@ -133,10 +111,14 @@ impl Sidecar {
     }
 }
 
-fn fast_hello(name: &str) -> Hello {
-    let mut h = hello(name, "http://127.0.0.1:9", &[]);
-    h.load_interval_ms = 50;
-    h
+/// Pod `a`'s sidecar, connected.
+async fn connect_a(ca: &DevCa, r: &Running) -> Sidecar {
+    connect(
+        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
+        r.quic,
+    )
+    .await
+    .unwrap()
 }
 
 /// Polls `cond` (bounded: 500 × 10 ms) — the registry has no change notification.
@@ -295,12 +277,7 @@ async fn a_renewed_router_certificate_reaches_new_sidecars_without_a_restart() {
 async fn another_protocol_version_is_refused_naming_both() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start(&ca).await;
-    let mut sc = connect(
-        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
-        r.quic,
-    )
-    .await
-    .unwrap();
+    let mut sc = connect_a(&ca, &r).await;
     let mut h = fast_hello("a");
     h.protocol_version = PROTOCOL_VERSION + 98;
     sc.send.send(&SidecarMessage::Hello(h)).await.unwrap();
@@ -372,12 +349,7 @@ async fn a_pod_with_a_rogue_certificate_is_never_registered_nor_sent_requests() 
 async fn shutdown_says_goodbye_and_closes_with_the_shutdown_code() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start(&ca).await;
-    let mut sc = connect(
-        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
-        r.quic,
-    )
-    .await
-    .unwrap();
+    let mut sc = connect_a(&ca, &r).await;
     sc.send
         .send(&SidecarMessage::Hello(fast_hello("a")))
         .await
@@ -460,21 +432,12 @@ async fn shutdown_lets_an_in_flight_stream_finish_and_refuses_new_requests() {
 
 #[tokio::test]
 async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
-    let Some(dir) = kvsight_harness::or_skip(
-        "the_router_fetches_a_missing_tokenizer_from_the_sidecar",
-        kvsight_sim::own_tokenizer::ensure_dir(),
-    ) else {
+    let Some(files) = own_files("the_router_fetches_a_missing_tokenizer_from_the_sidecar") else {
         return;
     };
-    let files = kvsight_process::tokenizer_dir::read(&dir).unwrap();
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start_with(&ca, Some(kvsight_router::tokenize::default_loader())).await;
-    let mut sc = connect(
-        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
-        r.quic,
-    )
-    .await
-    .unwrap();
+    let mut sc = connect_a(&ca, &r).await;
     let mut h = fast_hello("a");
     h.tokenizer = Some(TokenizerInfo {
         digest: files.digest(),

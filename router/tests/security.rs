@@ -9,7 +9,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -22,45 +21,21 @@ use tokio_util::sync::CancellationToken;
 
 use common::*;
 use kvsight_router::State;
-use kvsight_router::config::RouterConfig;
 use kvsight_sim::engine::EngineConfig;
 use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle};
 
 /// Bound on every wait for the router in these tests.
 const WAIT: Duration = Duration::from_secs(20);
 
-struct Running {
-    addr: SocketAddr,
-    state: Arc<State>,
-    _stop: tokio_util::sync::DropGuard,
-}
-
 /// The router's real server on `127.0.0.1:0` with `yaml` as config, built like the binary's
 /// (no decision header unless asked), with a Ready pod at each of `pods`.
 async fn router(yaml: &str, pods: &[&str]) -> Running {
-    let cfg = if yaml.is_empty() {
-        RouterConfig::default()
-    } else {
-        RouterConfig::from_yaml(yaml).unwrap()
-    };
+    let cfg = config_or_default(yaml);
     let st = State::new(cfg, "r".into(), None, CancellationToken::new()).unwrap();
     for (i, url) in pods.iter().enumerate() {
         add_pod(&st, &format!("p{i}"), url, &[], 0);
     }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    tokio::spawn(kvsight_router::server::serve(
-        listener,
-        kvsight_router::app(st.clone()),
-        st.clone(),
-        stop.clone(),
-    ));
-    Running {
-        addr,
-        state: st,
-        _stop: stop.drop_guard(),
-    }
+    serve_router(st).await
 }
 
 /// A vllm-sim pod serving [`MODEL`], steps a thousand times faster than the cost model.
@@ -84,21 +59,9 @@ fn http() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
-/// A sample of the router's metrics (`name{labels}` exactly as rendered), 0 when absent.
-fn metric(st: &State, series: &str) -> f64 {
-    let text = st.metrics.render(&st.registry(), &[], Instant::now());
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
-}
-
 /// Waits, bounded (WAIT in 10 ms steps), until `cond` holds.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let end = Instant::now() + WAIT;
-    while !cond() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+async fn until(what: &str, cond: impl FnMut() -> bool) {
+    until_within(what, WAIT, cond).await;
 }
 
 /// The answer to one request on a fresh connection: status and body (bounded in time).
@@ -180,13 +143,9 @@ async fn prompt_bytes_count_every_field_the_template_renders_and_token_ids() {
 /// answers at once (before any of them is done); over the queue, a request is refused 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_answers_while_heavy_work_is_queued_and_a_full_queue_is_503() {
-    let Some(dir) = kvsight_harness::or_skip(
-        "health_answers_while_heavy_work_is_queued",
-        kvsight_sim::own_tokenizer::ensure_dir(),
-    ) else {
+    let Some(files) = own_files("health_answers_while_heavy_work_is_queued") else {
         return;
     };
-    let files = kvsight_process::tokenizer_dir::read(&dir).unwrap();
     let r = router(
         "limits: {heavyWorkers: 1, heavyQueue: 2}",
         &["http://127.0.0.1:9"],

@@ -9,17 +9,17 @@ mod common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
+use common::quic::{Sidecar, connect};
 use common::*;
 use kvsight_protocol::messages::*;
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
-use kvsight_router::config::RouterConfig;
 use kvsight_router::{Listeners, RunConfig, State, build_state, serve};
 use kvsight_transport::dev_certs::DevCa;
-use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, client, pod_uri};
+use kvsight_transport::pod_uri;
 
 struct Running {
     state: Arc<State>,
@@ -28,11 +28,7 @@ struct Running {
 }
 
 async fn start(ca: &DevCa, yaml: &str, configured: Option<&std::path::Path>) -> Running {
-    let mut config = if yaml.is_empty() {
-        RouterConfig::default()
-    } else {
-        RouterConfig::from_yaml(yaml).unwrap()
-    };
+    let mut config = config_or_default(yaml);
     if let Some(dir) = configured {
         config.tokenizers.insert(MODEL.into(), dir.to_owned());
     }
@@ -65,32 +61,9 @@ async fn start(ca: &DevCa, yaml: &str, configured: Option<&std::path::Path>) -> 
     }
 }
 
-struct Sidecar {
-    conn: quinn::Connection,
-    send: FramedSend,
-    recv: FramedRecv,
-    _endpoint: quinn::Endpoint,
-}
-
-async fn connect(tls: &TlsMaterial, addr: SocketAddr) -> anyhow::Result<Sidecar> {
-    let endpoint = client("127.0.0.1:0".parse()?, tls)?;
-    let conn = endpoint.connect(addr, "kvsight-router")?.await?;
-    let (send, recv) = conn.open_bi().await?;
-    Ok(Sidecar {
-        conn,
-        send: FramedSend::new(send),
-        recv: FramedRecv::new(recv),
-        _endpoint: endpoint,
-    })
-}
-
 impl Sidecar {
     async fn next(&mut self) -> RouterMessage {
-        tokio::time::timeout(Duration::from_secs(10), self.recv.recv::<RouterMessage>())
-            .await
-            .expect("a message in time")
-            .expect("a frame")
-            .expect("the stream is open")
+        self.next_within(Duration::from_secs(10)).await
     }
 
     /// Says Hello for pod `name` (namespace `ns`) and returns the answer.
@@ -100,25 +73,8 @@ impl Sidecar {
     }
 }
 
-fn hello_for(name: &str) -> Hello {
-    let mut h = hello(name, "http://127.0.0.1:9", &[]);
-    h.load_interval_ms = 50;
-    h
-}
-
-fn metric(st: &State, series: &str) -> f64 {
-    let text = st.metrics.render(&st.registry(), &[], Instant::now());
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
-}
-
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+async fn until(what: &str, cond: impl FnMut() -> bool) {
+    until_within(what, Duration::from_secs(20), cond).await;
 }
 
 fn refused(st: &State, reason: &str) -> f64 {
@@ -135,7 +91,7 @@ async fn a_sidecar_registers_only_the_pod_names_its_certificate_grants() {
     let grant_a = pod_uri("ns", "a");
     let tls = ca.material("pod-a", &["pod-a", &grant_a]).unwrap();
     let mut thief = connect(&tls, r.quic).await.unwrap();
-    let m = thief.hello(hello_for("b")).await;
+    let m = thief.hello(fast_hello("b")).await;
     assert!(
         matches!(&m, RouterMessage::Refused(x) if x.reason.contains("does not grant")),
         "{m:?}"
@@ -146,13 +102,13 @@ async fn a_sidecar_registers_only_the_pod_names_its_certificate_grants() {
     let bare = ca.material("bare", &["bare"]).unwrap();
     let mut nobody = connect(&bare, r.quic).await.unwrap();
     assert!(matches!(
-        nobody.hello(hello_for("a")).await,
+        nobody.hello(fast_hello("a")).await,
         RouterMessage::Refused(_)
     ));
     assert_eq!(refused(&r.state, "identity"), 2.0);
     let mut own = connect(&tls, r.quic).await.unwrap();
     assert!(matches!(
-        own.hello(hello_for("a")).await,
+        own.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
 }
@@ -166,12 +122,12 @@ async fn a_live_name_held_by_another_certificate_is_refused_and_counted() {
     let other = ca.material("two", &["two", &grant]).unwrap();
     let mut a = connect(&first, r.quic).await.unwrap();
     assert!(matches!(
-        a.hello(hello_for("a")).await,
+        a.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
     let conn = r.state.registry().get("ns/a").unwrap().conn;
     let mut b = connect(&other, r.quic).await.unwrap();
-    let m = b.hello(hello_for("a")).await;
+    let m = b.hello(fast_hello("a")).await;
     assert!(
         matches!(&m, RouterMessage::Refused(x) if x.reason.contains("another certificate")),
         "{m:?}"
@@ -181,7 +137,7 @@ async fn a_live_name_held_by_another_certificate_is_refused_and_counted() {
     // The same certificate reconnecting takes its own name over.
     let mut again = connect(&first, r.quic).await.unwrap();
     assert!(matches!(
-        again.hello(hello_for("a")).await,
+        again.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
     // Once no connection holds it, another certificate may register it.
@@ -193,7 +149,7 @@ async fn a_live_name_held_by_another_certificate_is_refused_and_counted() {
     .await;
     let mut c = connect(&other, r.quic).await.unwrap();
     assert!(matches!(
-        c.hello(hello_for("a")).await,
+        c.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
 }
@@ -205,7 +161,7 @@ async fn identity_any_accepts_certificates_without_grants() {
     let bare = ca.material("bare", &["bare"]).unwrap();
     let mut sc = connect(&bare, r.quic).await.unwrap();
     assert!(matches!(
-        sc.hello(hello_for("a")).await,
+        sc.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
 }
@@ -261,7 +217,7 @@ async fn tokenizers_are_taken_only_as_asked_for_a_served_model_and_never_over_a_
     // The model's tokenizer comes from the config: not asked for, and not replaced when sent.
     let r = start(&ca, "", Some(&dir)).await;
     let mut sc = connect(&tls, r.quic).await.unwrap();
-    let mut h = hello_for("a");
+    let mut h = fast_hello("a");
     h.tokenizer = Some(info(&other));
     assert!(matches!(sc.hello(h).await, RouterMessage::Welcome(_)));
     let first = first_messages(&mut sc).await;
@@ -288,7 +244,7 @@ async fn tokenizers_are_taken_only_as_asked_for_a_served_model_and_never_over_a_
     // Without a configured one, the tokenizer asked for is taken.
     let r = start(&ca, "", None).await;
     let mut sc = connect(&tls, r.quic).await.unwrap();
-    let mut h = hello_for("a");
+    let mut h = fast_hello("a");
     h.tokenizer = Some(info(&files));
     assert!(matches!(sc.hello(h).await, RouterMessage::Welcome(_)));
     let first = first_messages(&mut sc).await;
@@ -320,7 +276,7 @@ async fn a_connection_is_closed_when_its_certificate_expires() {
     let tls = ca.material_of(&leaf).unwrap();
     let mut sc = connect(&tls, r.quic).await.unwrap();
     assert!(matches!(
-        sc.hello(hello_for("a")).await,
+        sc.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
     assert!(r.state.registry().get("ns/a").is_some());
@@ -342,7 +298,7 @@ async fn connections_and_pods_over_their_caps_are_refused() {
     let tls = ca.material("pod", &["pod", &pod_uri("ns", "*")]).unwrap();
     let mut a = connect(&tls, r.quic).await.unwrap();
     assert!(matches!(
-        a.hello(hello_for("a")).await,
+        a.hello(fast_hello("a")).await,
         RouterMessage::Welcome(_)
     ));
     // A second connection, not yet registered, takes the second slot: a third is refused at
@@ -350,7 +306,7 @@ async fn connections_and_pods_over_their_caps_are_refused() {
     let mut b = connect(&tls, r.quic).await.unwrap();
     assert!(connect(&tls, r.quic).await.is_err());
     assert_eq!(refused(&r.state, "connections"), 1.0);
-    let m = b.hello(hello_for("b")).await;
+    let m = b.hello(fast_hello("b")).await;
     assert!(
         matches!(&m, RouterMessage::Refused(x) if x.reason.contains("pods registered")),
         "{m:?}"
@@ -364,7 +320,7 @@ async fn an_oversized_hello_is_refused_as_a_protocol_violation() {
     let ca = DevCa::new("ca").unwrap();
     let r = start(&ca, "pods: {identity: any}", None).await;
     let tls = ca.material("pod", &["pod"]).unwrap();
-    let mut big = hello_for("a");
+    let mut big = fast_hello("a");
     big.lora_adapters = (0..5000).map(|i| format!("adapter-{i}")).collect();
     let mut sc = connect(&tls, r.quic).await.unwrap();
     sc.send.send(&SidecarMessage::Hello(big)).await.unwrap();

@@ -4,9 +4,8 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvsight_process::tokenizer_dir::read as read_dir;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::tokenize::model_tokenizer;
 use kvsight_sim::server::{SimConfig, SimPod, TokenizerFiles};
@@ -24,13 +23,9 @@ async fn post(url: &str, body: &Value) -> (u16, String) {
 
 #[tokio::test]
 async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
-    let Some(dir) = kvsight_harness::or_skip(
-        "router_tokenize_ids_equal_the_simulators",
-        kvsight_sim::own_tokenizer::ensure_dir(),
-    ) else {
+    let Some(files) = own_files("router_tokenize_ids_equal_the_simulators") else {
         return;
     };
-    let files = read_dir(&dir).unwrap();
     let sim = SimPod::start(SimConfig {
         served_model_names: vec![MODEL.into()],
         tokenizer: Some(TokenizerFiles {
@@ -42,17 +37,7 @@ async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
     .await
     .unwrap();
     let st = state(RouterConfig::default());
-    {
-        let mut reg = st.registry();
-        let (key, conn) = reg.register(hello("sim", &sim.base_url(), &[]), Instant::now());
-        reg.apply_load(
-            &key,
-            conn,
-            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
-            Instant::now(),
-        )
-        .unwrap();
-    }
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
     let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
 
     let prompt =
@@ -111,19 +96,7 @@ async fn three_sim_pods_concentrate_a_shared_prefix_then_spread_after_a_reload_t
         })
         .await
         .unwrap();
-        let mut reg = st.registry();
-        let (key, conn) = reg.register(
-            hello(&format!("sim{i}"), &sim.base_url(), &[]),
-            Instant::now(),
-        );
-        reg.apply_load(
-            &key,
-            conn,
-            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
-            Instant::now(),
-        )
-        .unwrap();
-        drop(reg);
+        add_pod(&st, &format!("sim{i}"), &sim.base_url(), &[], 0);
         sims.push(sim);
     }
     let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
@@ -171,13 +144,10 @@ async fn three_sim_pods_concentrate_a_shared_prefix_then_spread_after_a_reload_t
 
 #[tokio::test]
 async fn an_adapter_request_is_tokenized_with_its_base_models_tokenizer() {
-    let Some(dir) = kvsight_harness::or_skip(
-        "an_adapter_request_is_tokenized_with_its_base_models_tokenizer",
-        kvsight_sim::own_tokenizer::ensure_dir(),
-    ) else {
+    let Some(files) = own_files("an_adapter_request_is_tokenized_with_its_base_models_tokenizer")
+    else {
         return;
     };
-    let files = read_dir(&dir).unwrap();
     let sim = SimPod::start(SimConfig {
         served_model_names: vec![MODEL.into()],
         lora_modules: vec![("sql-lora".into(), "/adapters/sql".into())],

@@ -8,9 +8,6 @@
 
 mod common;
 
-use std::time::Instant;
-
-use kvsight_process::tokenizer_dir::read as read_dir;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer};
@@ -20,20 +17,6 @@ use kvsight_tokenizer::Dialect;
 use serde_json::{Value, json};
 
 use common::*;
-
-/// The project's own tokenizer files, or `None` (the test says "skipped") when they cannot be
-/// built here.
-fn own_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
-    kvsight_harness::or_skip(test, kvsight_sim::own_tokenizer::ensure_dir())
-        .map(|dir| read_dir(&dir).unwrap())
-}
-
-/// The project's Llama-2-shaped tokenizer files (sentencepiece-style: transformers 5 rebuilds
-/// it), or `None` (the test says "skipped") when they cannot be built here.
-fn llama2_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
-    kvsight_harness::or_skip(test, kvsight_sim::llama2_tokenizer::ensure_dir())
-        .map(|dir| read_dir(&dir).unwrap())
-}
 
 async fn sim_with(files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles) -> SimPodHandle {
     sim_in(files, Dialect::Transformers4).await
@@ -91,6 +74,38 @@ fn with_tokenizer(
     st
 }
 
+/// Runs the pending check, which must ask one pod, and asserts it agreed in `dialect`.
+async fn assert_checked_agrees(st: &State, dialect: Dialect) {
+    assert_eq!(check_pending(st).await, 1);
+    assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Agrees(dialect)));
+}
+
+/// Runs the pending check, which must ask one pod and find a difference: why it differs.
+async fn checked_differs(st: &State) -> String {
+    assert_eq!(check_pending(st).await, 1);
+    match st.tokenizers.verdict(MODEL) {
+        Some(Verdict::Differs(why)) => why,
+        other => panic!("expected a difference, got {other:?}"),
+    }
+}
+
+/// A chat completion of `messages` through `router`: the prefix mode it was routed in.
+async fn chat_mode(router: &str, messages: &Value) -> String {
+    let (s, _, mode) = post(
+        &format!("{router}/v1/chat/completions"),
+        &json!({"model": MODEL, "messages": messages, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    mode.unwrap()
+}
+
+/// The router's metrics show `line`.
+async fn assert_metric(router: &str, line: &str) {
+    let m = metrics(router).await;
+    assert!(m.contains(line), "{m}");
+}
+
 #[tokio::test]
 async fn the_engines_own_files_agree_and_keep_exact_mode() {
     let Some(files) = own_files("the_engines_own_files_agree_and_keep_exact_mode") else {
@@ -103,11 +118,7 @@ async fn the_engines_own_files_agree_and_keep_exact_mode() {
     assert_eq!(st.tokenizers.verdict(MODEL), Some(Verdict::Unchecked));
 
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers4))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers4).await;
     assert_eq!(
         check_pending(&st).await,
         0,
@@ -122,11 +133,11 @@ async fn the_engines_own_files_agree_and_keep_exact_mode() {
     .await;
     assert_eq!(s, 200);
     assert_eq!(mode.unwrap(), "exact");
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="agrees"} 1"#),
-        "{m}"
-    );
+    assert_metric(
+        &router,
+        r#"kvsight_router_tokenizer_checks_total{model="m",outcome="agrees"} 1"#,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -154,43 +165,30 @@ async fn a_skewed_chat_template_is_caught_and_the_model_falls_back_to_approximat
     let (_, before, _) = post(&format!("{router}/tokenize"), &chat).await;
     assert_ne!(before["tokens"], engine["tokens"]);
 
-    assert_eq!(check_pending(&st).await, 1);
-    match st.tokenizers.verdict(MODEL) {
-        Some(Verdict::Differs(why)) => assert!(why.starts_with("chat: ids part at token"), "{why}"),
-        other => panic!("expected a difference, got {other:?}"),
-    }
+    let why = checked_differs(&st).await;
+    assert!(why.starts_with("chat: ids part at token"), "{why}");
     assert!(st.tokenizers.get(MODEL).is_none());
 
     // Now /tokenize is the engine's, and requests are routed on the router's own memory.
     let (s, after, _) = post(&format!("{router}/tokenize"), &chat).await;
     assert_eq!(s, 200);
     assert_eq!(after["tokens"], engine["tokens"]);
-    let (s, _, mode) = post(
-        &format!("{router}/v1/chat/completions"),
-        &json!({"model": MODEL, "messages": chat["messages"], "max_tokens": 2}),
-    )
-    .await;
-    assert_eq!(s, 200);
-    assert_eq!(mode.unwrap(), "approximate");
+    assert_eq!(chat_mode(&router, &chat["messages"]).await, "approximate");
 
     let (_, debug, _) = get_json(&format!("{router}/debug/pods")).await;
     assert_eq!(debug["tokenizers"][MODEL]["verdict"], "differs");
     assert_eq!(debug["tokenizers"][MODEL]["digest"], router_files.digest());
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="differs"} 1"#),
-        "{m}"
-    );
+    assert_metric(
+        &router,
+        r#"kvsight_router_tokenizer_checks_total{model="m",outcome="differs"} 1"#,
+    )
+    .await;
 
     // The same files again (say, from a sidecar) are not fetched or judged again; new files are.
     assert!(st.tokenizers.has(MODEL, Some(&router_files.digest())));
     st.tokenizers
         .insert(MODEL, files.digest(), model_tokenizer(&files).unwrap());
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers4))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers4).await;
 }
 
 /// `files` with its chat template changed by `f`.
@@ -227,21 +225,14 @@ async fn an_engine_whose_template_refuses_system_roles_is_still_checked() {
 
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers4))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers4).await;
 
     // And a skew in the rest of that template is still caught through the chat probe.
     let skewed = with_template(&files, |t| t.replace(r"'|>\n'", r"'|> '"));
     let st = with_tokenizer(&skewed);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    assert_eq!(check_pending(&st).await, 1);
-    match st.tokenizers.verdict(MODEL) {
-        Some(Verdict::Differs(why)) => assert!(why.starts_with("chat: "), "{why}"),
-        other => panic!("expected a difference, got {other:?}"),
-    }
+    let why = checked_differs(&st).await;
+    assert!(why.starts_with("chat: "), "{why}");
 }
 
 /// An engine upgraded in place keeps the files the router checked, but may tokenize them
@@ -255,33 +246,16 @@ async fn a_pod_of_a_new_engine_version_is_asked_again() {
     let old = sim_with(&files).await;
     let st = with_tokenizer(&files);
     add_pod(&st, "old", &old.base_url(), &[], 0);
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers4))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers4).await;
 
     // The upgraded engine renders the same template differently (a stand-in for a new
     // transformers release): the same files, another version, other ids.
     let new = sim_with(&with_template(&files, |t| t.replace(r"'|>\n'", r"'|> '"))).await;
     let mut h = hello("new", &new.base_url(), &[]);
     h.engine.engine_version = "0.34.0".into();
-    {
-        let mut reg = st.registry();
-        let (key, conn) = reg.register(h, Instant::now());
-        reg.apply_load(
-            &key,
-            conn,
-            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
-            Instant::now(),
-        )
-        .unwrap();
-    }
-    assert_eq!(check_pending(&st).await, 1);
-    match st.tokenizers.verdict(MODEL) {
-        Some(Verdict::Differs(why)) => assert!(why.starts_with("chat: "), "{why}"),
-        other => panic!("expected a difference, got {other:?}"),
-    }
+    add_hello(&st, h, kvsight_protocol::messages::Phase::Ready, 0);
+    let why = checked_differs(&st).await;
+    assert!(why.starts_with("chat: "), "{why}");
     assert!(
         st.tokenizers.get(MODEL).is_none(),
         "approximate mode for the mixed fleet"
@@ -302,11 +276,11 @@ async fn a_pod_that_does_not_answer_leaves_the_verdict_open() {
     assert_eq!(check_pending(&st).await, 0);
     assert!(st.tokenizers.get(MODEL).is_some(), "still used meanwhile");
     let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="error"} 1"#),
-        "{m}"
-    );
+    assert_metric(
+        &router,
+        r#"kvsight_router_tokenizer_checks_total{model="m",outcome="error"} 1"#,
+    )
+    .await;
 }
 
 async fn get_json(url: &str) -> (u16, Value, Option<String>) {
@@ -358,24 +332,17 @@ async fn an_engine_on_transformers5_is_matched_in_the_rebuilt_dialect() {
         json!(["transformers4", "transformers5_rebuilt"])
     );
 
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers5Rebuilt))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers5Rebuilt).await;
     let tok = st.tokenizers.get(MODEL).expect("in use");
     assert_eq!(tok.dialect(), Dialect::Transformers5Rebuilt);
     for body in [dialect_chat(), completion.clone()] {
         let (engine, ours) = ids_of(&sim, &router, &body).await;
         assert_eq!(ours, engine, "{body}");
     }
-    let (s, _, mode) = post(
-        &format!("{router}/v1/chat/completions"),
-        &json!({"model": MODEL, "messages": dialect_chat()["messages"], "max_tokens": 2}),
-    )
-    .await;
-    assert_eq!(s, 200);
-    assert_eq!(mode.unwrap(), "exact");
+    assert_eq!(
+        chat_mode(&router, &dialect_chat()["messages"]).await,
+        "exact"
+    );
 
     let (_, debug, _) = get_json(&format!("{router}/debug/pods")).await;
     assert_eq!(debug["tokenizers"][MODEL]["verdict"], "agrees");
@@ -403,11 +370,7 @@ async fn an_engine_on_transformers4_keeps_the_transformers4_dialect() {
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
     let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers4))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers4).await;
     for body in [
         dialect_chat(),
         json!({"model": MODEL, "prompt": " Tell me a story."}),
@@ -415,11 +378,11 @@ async fn an_engine_on_transformers4_keeps_the_transformers4_dialect() {
         let (engine, ours) = ids_of(&sim, &router, &body).await;
         assert_eq!(ours, engine, "{body}");
     }
-    let m = metrics(&router).await;
-    assert!(
-        m.contains(r#"kvsight_router_tokenizer_dialect_info{model="m",dialect="transformers4"} 1"#),
-        "{m}"
-    );
+    assert_metric(
+        &router,
+        r#"kvsight_router_tokenizer_dialect_info{model="m",dialect="transformers4"} 1"#,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -439,27 +402,19 @@ async fn an_engine_that_agrees_with_no_dialect_leaves_the_model_approximate() {
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
     let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
-    assert_eq!(check_pending(&st).await, 1);
-    match st.tokenizers.verdict(MODEL) {
-        Some(Verdict::Differs(why)) => {
-            assert!(why.starts_with("chat: ids part at token"), "{why}");
-            assert!(
-                why.contains("; transformers5_rebuilt: chat: ids part at token"),
-                "each dialect's difference is told: {why}"
-            );
-        }
-        other => panic!("expected a difference, got {other:?}"),
-    }
+    let why = checked_differs(&st).await;
+    assert!(why.starts_with("chat: ids part at token"), "{why}");
+    assert!(
+        why.contains("; transformers5_rebuilt: chat: ids part at token"),
+        "each dialect's difference is told: {why}"
+    );
     assert!(st.tokenizers.get(MODEL).is_none());
     let (engine, forwarded) = ids_of(&sim, &router, &dialect_chat()).await;
     assert_eq!(forwarded, engine, "/tokenize is the engine's");
-    let (s, _, mode) = post(
-        &format!("{router}/v1/chat/completions"),
-        &json!({"model": MODEL, "messages": dialect_chat()["messages"], "max_tokens": 2}),
-    )
-    .await;
-    assert_eq!(s, 200);
-    assert_eq!(mode.unwrap(), "approximate");
+    assert_eq!(
+        chat_mode(&router, &dialect_chat()["messages"]).await,
+        "approximate"
+    );
     let m = metrics(&router).await;
     assert!(
         m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="differs"} 1"#),
@@ -479,34 +434,17 @@ async fn a_fleet_half_on_transformers5_makes_the_model_approximate() {
     let old = sim_in(&files, Dialect::Transformers4).await;
     let st = with_tokenizer(&files);
     add_pod(&st, "old", &old.base_url(), &[], 0);
-    assert_eq!(check_pending(&st).await, 1);
-    assert_eq!(
-        st.tokenizers.verdict(MODEL),
-        Some(Verdict::Agrees(Dialect::Transformers4))
-    );
+    assert_checked_agrees(&st, Dialect::Transformers4).await;
 
     let new = sim_in(&files, Dialect::Transformers5Rebuilt).await;
     let mut h = hello("new", &new.base_url(), &[]);
     h.engine.engine_version = "0.32.0".into();
-    {
-        let mut reg = st.registry();
-        let (key, conn) = reg.register(h, Instant::now());
-        reg.apply_load(
-            &key,
-            conn,
-            load(kvsight_protocol::messages::Phase::Ready, 0, 0),
-            Instant::now(),
-        )
-        .unwrap();
-    }
-    assert_eq!(check_pending(&st).await, 1);
-    match st.tokenizers.verdict(MODEL) {
-        Some(Verdict::Differs(why)) => assert!(
-            why.contains("this engine agrees with transformers5_rebuilt")
-                && why.contains("one dialect cannot serve both"),
-            "{why}"
-        ),
-        other => panic!("expected a difference, got {other:?}"),
-    }
+    add_hello(&st, h, kvsight_protocol::messages::Phase::Ready, 0);
+    let why = checked_differs(&st).await;
+    assert!(
+        why.contains("this engine agrees with transformers5_rebuilt")
+            && why.contains("one dialect cannot serve both"),
+        "{why}"
+    );
     assert!(st.tokenizers.get(MODEL).is_none());
 }

@@ -211,71 +211,22 @@ impl Args {
             return Err(bad("vllm-url", "scheme must be http or https"));
         }
         let vllm_port = url.port_or_known_default().unwrap_or(8000);
-        let routers = self
-            .routers
-            .iter()
-            .filter(|r| !r.trim().is_empty())
-            .map(|r| {
-                let (host, port) = r
-                    .trim()
-                    .rsplit_once(':')
-                    .ok_or_else(|| bad("router", format!("{r:?} is not HOST:PORT")))?;
-                let port = port
-                    .parse()
-                    .map_err(|_| bad("router", format!("{r:?}: bad port")))?;
-                let host = host.trim_start_matches('[').trim_end_matches(']');
-                if host.is_empty() {
-                    return Err(bad("router", format!("{r:?}: empty host")));
-                }
-                Ok(RouterTarget {
-                    host: host.to_owned(),
-                    port,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let tls = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => Some(TlsPaths {
-                cert: cert.clone(),
-                key: key.clone(),
-                ca: ca.clone(),
-            }),
-            (None, None, None) => None,
-            (None, _, _) => return Err(bad("tls-cert", "needed with --tls-key/--tls-ca")),
-            (_, None, _) => return Err(bad("tls-key", "needed with --tls-cert/--tls-ca")),
-            (_, _, None) => return Err(bad("tls-ca", "needed with --tls-cert/--tls-key")),
-        };
+        let routers = self.router_targets()?;
+        let tls = self.tls_paths()?;
         if !routers.is_empty() && tls.is_none() {
             return Err(bad(
                 "tls-cert",
                 "routers need --tls-cert, --tls-key, --tls-ca",
             ));
         }
-        let advertise_url = match (&self.advertise_url, env("POD_IP")) {
-            (Some(u), _) => {
-                reqwest::Url::parse(u).map_err(|e| bad("advertise-url", format!("{u:?}: {e}")))?;
-                u.trim_end_matches('/').to_owned()
-            }
-            (None, Some(ip)) if ip.contains(':') => format!("http://[{ip}]:{vllm_port}"),
-            (None, Some(ip)) => format!("http://{ip}:{vllm_port}"),
-            (None, None) => self.vllm_url.trim_end_matches('/').to_owned(),
-        };
+        let advertise_url = self.advertised_url(env("POD_IP"), vllm_port)?;
         let pod_name = self
             .pod_name
             .clone()
             .or_else(|| env("HOSTNAME"))
             .filter(|n| !n.is_empty())
             .ok_or_else(|| bad("pod-name", "not set and $HOSTNAME is empty"))?;
-        let pod_labels = self
-            .pod_labels
-            .iter()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| {
-                l.split_once('=')
-                    .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-                    .filter(|(k, _)| !k.is_empty())
-                    .ok_or_else(|| bad("pod-label", format!("{l:?} is not KEY=VALUE")))
-            })
-            .collect::<Result<_, _>>()?;
+        let pod_labels = self.labels()?;
         let listen = self
             .listen
             .parse()
@@ -337,6 +288,78 @@ impl Args {
             max_num_batched_tokens: self.max_num_batched_tokens,
             memory_trim_interval: trim_interval(&self.memory_trim_interval)?,
         })
+    }
+
+    /// `--router` as targets: `HOST:PORT` each, brackets around an IPv6 host dropped.
+    fn router_targets(&self) -> Result<Vec<RouterTarget>, ConfigError> {
+        self.routers
+            .iter()
+            .filter(|r| !r.trim().is_empty())
+            .map(|r| {
+                let (host, port) = r
+                    .trim()
+                    .rsplit_once(':')
+                    .ok_or_else(|| bad("router", format!("{r:?} is not HOST:PORT")))?;
+                let port = port
+                    .parse()
+                    .map_err(|_| bad("router", format!("{r:?}: bad port")))?;
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                if host.is_empty() {
+                    return Err(bad("router", format!("{r:?}: empty host")));
+                }
+                Ok(RouterTarget {
+                    host: host.to_owned(),
+                    port,
+                })
+            })
+            .collect()
+    }
+
+    /// The three TLS files, all or none.
+    fn tls_paths(&self) -> Result<Option<TlsPaths>, ConfigError> {
+        Ok(match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(TlsPaths {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            }),
+            (None, None, None) => None,
+            (None, _, _) => return Err(bad("tls-cert", "needed with --tls-key/--tls-ca")),
+            (_, None, _) => return Err(bad("tls-key", "needed with --tls-cert/--tls-ca")),
+            (_, _, None) => return Err(bad("tls-ca", "needed with --tls-cert/--tls-key")),
+        })
+    }
+
+    /// The URL routers reach this pod's engine at: `--advertise-url`, else `$POD_IP` with the
+    /// engine's port, else `--vllm-url`.
+    fn advertised_url(
+        &self,
+        pod_ip: Option<String>,
+        vllm_port: u16,
+    ) -> Result<String, ConfigError> {
+        Ok(match (&self.advertise_url, pod_ip) {
+            (Some(u), _) => {
+                reqwest::Url::parse(u).map_err(|e| bad("advertise-url", format!("{u:?}: {e}")))?;
+                u.trim_end_matches('/').to_owned()
+            }
+            (None, Some(ip)) if ip.contains(':') => format!("http://[{ip}]:{vllm_port}"),
+            (None, Some(ip)) => format!("http://{ip}:{vllm_port}"),
+            (None, None) => self.vllm_url.trim_end_matches('/').to_owned(),
+        })
+    }
+
+    /// `--pod-label KEY=VALUE` pairs.
+    fn labels(&self) -> Result<BTreeMap<String, String>, ConfigError> {
+        self.pod_labels
+            .iter()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                l.split_once('=')
+                    .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                    .filter(|(k, _)| !k.is_empty())
+                    .ok_or_else(|| bad("pod-label", format!("{l:?} is not KEY=VALUE")))
+            })
+            .collect()
     }
 }
 

@@ -249,7 +249,26 @@ async fn start_pod(name: &str, sim: SimPodHandle, with_router: bool, warmup: Opt
     }
 }
 
+/// A sidecar with a router on `sim`'s engine, Ready.
+async fn ready_pod(name: &str, sim: SimConfig) -> Pod {
+    let sim = SimPod::start(sim).await.unwrap();
+    let pod = start_pod(name, sim, true, None).await;
+    pod.ready().await;
+    pod
+}
+
 impl Pod {
+    /// Drops the engine's next two KV-event batches, runs `workload(first, n, len)` and checks
+    /// the mirror caught up with the engine; the subscriber's status before.
+    async fn workload_over_a_gap(&self, first: u32, n: u32, len: usize) -> SubscriberStatus {
+        let before = self.status();
+        let next = before.last_seq.map_or(0, |s| s + 1);
+        self.sim.drop_kv_seqs(Some(next..next + 2));
+        self.workload(first, n, len).await;
+        self.assert_mirror_matches().await;
+        before
+    }
+
     async fn ready(&self) {
         let mut rx = self.shared.watch_phase();
         tokio::time::timeout(WAIT, rx.wait_for(|p| *p == Phase::Ready))
@@ -423,9 +442,7 @@ fn prompt(i: u32, len: usize) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mirror_and_router_filter_equal_the_engine_cache_after_evictions() {
-    let sim = SimPod::start(sim_config(engine(48))).await.unwrap();
-    let pod = start_pod("evict", sim, true, None).await;
-    pod.ready().await;
+    let pod = ready_pod("evict", sim_config(engine(48))).await;
     // 40 prompts of 7 blocks each through a 47-block pool: most get evicted.
     pod.workload(0, 40, 100).await;
     pod.assert_mirror_matches().await;
@@ -447,18 +464,12 @@ async fn mirror_and_router_filter_equal_the_engine_cache_after_evictions() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_kv_events_are_recovered_through_replay() {
-    let sim = SimPod::start(sim_config(engine(64))).await.unwrap();
-    let pod = start_pod("drop", sim, true, None).await;
-    pod.ready().await;
+    let pod = ready_pod("drop", sim_config(engine(64))).await;
     pod.workload(0, 4, 60).await;
     pod.assert_mirror_matches().await;
-    let before = pod.status();
-    let next = before.last_seq.map_or(0, |s| s + 1);
     // The 3 chunks of 4 prompts publish at least 3 batches (one per chunk, more when the engine
     // splits a chunk over steps). Drop 2: a gap shows only when a later batch arrives live.
-    pod.sim.drop_kv_seqs(Some(next..next + 2));
-    pod.workload(100, 12, 60).await;
-    pod.assert_mirror_matches().await;
+    let before = pod.workload_over_a_gap(100, 12, 60).await;
     let after = pod.status();
     assert!(after.gaps > before.gaps, "no gap seen: {after:?}");
     assert!(
@@ -470,9 +481,7 @@ async fn dropped_kv_events_are_recovered_through_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_restart_resets_and_resyncs_the_mirror() {
-    let sim = SimPod::start(sim_config(engine(64))).await.unwrap();
-    let pod = start_pod("restart", sim, true, None).await;
-    pod.ready().await;
+    let pod = ready_pod("restart", sim_config(engine(64))).await;
     pod.workload(0, 8, 60).await;
     pod.assert_mirror_matches().await;
     let before = pod.status();
@@ -506,17 +515,11 @@ async fn old_layout_engine_works_the_same() {
     let kv = cfg.kv_events.as_mut().unwrap();
     kv.layout = Layout::Array;
     kv.replay_layout = ReplayLayout::Old;
-    let sim = SimPod::start(cfg).await.unwrap();
-    let pod = start_pod("old", sim, true, None).await;
-    pod.ready().await;
+    let pod = ready_pod("old", cfg).await;
     pod.workload(0, 20, 100).await;
     pod.assert_mirror_matches().await;
-    let before = pod.status();
-    let next = before.last_seq.map_or(0, |s| s + 1);
     // At least one batch per chunk of 4 prompts, so a live batch follows the 2 dropped ones.
-    pod.sim.drop_kv_seqs(Some(next..next + 2));
-    pod.workload(100, 12, 100).await;
-    pod.assert_mirror_matches().await;
+    let before = pod.workload_over_a_gap(100, 12, 100).await;
     pod.assert_router_predicts_hit(111, 100);
     let after = pod.status();
     assert!(
@@ -588,9 +591,7 @@ async fn facts_and_load_come_from_the_engine() {
     let mut cfg = sim_config(engine(96));
     cfg.served_model_names = vec!["vllm-sim".to_owned(), "alias".to_owned()];
     cfg.lora_modules = vec![("sql-lora".to_owned(), "/adapters/sql".to_owned())];
-    let sim = SimPod::start(cfg).await.unwrap();
-    let pod = start_pod("facts", sim, true, None).await;
-    pod.ready().await;
+    let pod = ready_pod("facts", cfg).await;
     let facts = pod.shared.facts.get().unwrap();
     assert_eq!(facts.engine.block_size, 16);
     assert_eq!(facts.engine.num_gpu_blocks, 96);
@@ -655,9 +656,7 @@ async fn facts_and_load_come_from_the_engine() {
 /// cache it mirrors is gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_process_replaced_on_the_same_ports_resyncs() {
-    let sim = SimPod::start(sim_config(engine(64))).await.unwrap();
-    let mut pod = start_pod("replace", sim, true, None).await;
-    pod.ready().await;
+    let mut pod = ready_pod("replace", sim_config(engine(64))).await;
     pod.workload(0, 12, 60).await;
     pod.assert_mirror_matches().await;
     let before = pod.status();
@@ -704,9 +703,7 @@ async fn engine_process_replaced_on_the_same_ports_resyncs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewed_tls_files_are_taken_up_by_the_running_sidecar() {
-    let sim = SimPod::start(sim_config(engine(48))).await.unwrap();
-    let mut pod = start_pod("tls-renew", sim, true, None).await;
-    pod.ready().await;
+    let mut pod = ready_pod("tls-renew", sim_config(engine(48))).await;
     let reloads = |outcome: &str| {
         pod.shared
             .metrics

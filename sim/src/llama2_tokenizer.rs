@@ -50,9 +50,29 @@ fn normalizer() -> Json {
     ]})
 }
 
+/// The special tokens, first in the vocabulary.
+const SPECIALS: [&str; 3] = ["<unk>", "<s>", "</s>"];
+
 /// Trains the tokenizer in memory and returns its two files. Deterministic: the same bytes on
 /// every call and machine (for a given `tokenizers` version, pinned by Cargo.lock).
 pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
+    let (learned, merges) = train()?;
+    let tokenizer_json = tokenizer_json(llama_vocab(&learned), merges);
+    // The files must load as they will be read.
+    let tokenizer_json = serde_json::to_string_pretty(&tokenizer_json).map_err(train_err)?;
+    tokenizer_json
+        .parse::<Tokenizer>()
+        .map_err(|e| train_err(format!("the built tokenizer.json does not load: {e}")))?;
+    let tokenizer_config_json =
+        serde_json::to_string_pretty(&tokenizer_config()).map_err(train_err)?;
+    Ok(OwnTokenizerFiles {
+        tokenizer_json,
+        tokenizer_config_json,
+    })
+}
+
+/// Trains BPE on the corpus: the learned pieces in id order, and the merges.
+fn train() -> Result<(Vec<String>, Json), OwnTokenizerError> {
     // Training pipeline: the runtime normalizer, then pieces cut before every "▁" so merges
     // never join two words (sentencepiece's own training does not either).
     let trainer_json = json!({
@@ -66,21 +86,20 @@ pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
                   "fuse_unk": true, "byte_fallback": true, "vocab": {}, "merges": []}
     });
     let mut tokenizer: Tokenizer = trainer_json.to_string().parse().map_err(train_err)?;
-    let specials = ["<unk>", "<s>", "</s>"];
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(VOCAB_SIZE)
         .min_frequency(2)
         .limit_alphabet(120)
         .max_token_length(Some(16))
         .show_progress(false)
-        .special_tokens(specials.map(|t| AddedToken::from(t, true)).to_vec())
+        .special_tokens(SPECIALS.map(|t| AddedToken::from(t, true)).to_vec())
         .build()
         .into();
     let text = corpus();
     tokenizer
         .train(&mut trainer, text.lines().map(|l| format!("{l}\n")))
         .map_err(train_err)?;
-    let trained: Json =
+    let mut trained: Json =
         serde_json::from_str(&tokenizer.to_string(false).map_err(train_err)?).map_err(train_err)?;
     let learned = trained["model"]["vocab"]
         .as_object()
@@ -90,27 +109,37 @@ pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
         .filter_map(|(token, id)| Some((token, id.as_u64()?)))
         .collect();
     learned.sort_by_key(|&(_, id)| id);
+    let learned = learned.into_iter().map(|(t, _)| t.clone()).collect();
+    Ok((learned, trained["model"]["merges"].take()))
+}
 
-    // Llama 2's layout: specials, the 256 byte tokens, then the learned pieces in their order.
+/// Llama 2's layout: specials, the 256 byte tokens, then the learned pieces in their order.
+fn llama_vocab(learned: &[String]) -> serde_json::Map<String, Json> {
     let mut vocab = serde_json::Map::new();
     let mut add = |token: String| {
         let id = vocab.len();
         vocab.entry(token).or_insert_with(|| Json::from(id));
     };
-    for token in specials {
+    for token in SPECIALS {
         add(token.to_owned());
     }
     for byte in 0..=255u8 {
         add(format!("<0x{byte:02X}>"));
     }
-    for (token, _) in learned {
+    for token in learned {
         add(token.clone());
     }
+    vocab
+}
+
+/// The runtime `tokenizer.json`: the specials and chat tokens added, Llama 2's normalizer,
+/// post-processor and decoder around the trained model.
+fn tokenizer_json(vocab: serde_json::Map<String, Json>, merges: Json) -> Json {
     let added = |id: usize, content: &str, rstrip: bool| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false,
                "rstrip": rstrip, "normalized": false, "special": true})
     };
-    let mut added_tokens: Vec<Json> = specials
+    let mut added_tokens: Vec<Json> = SPECIALS
         .iter()
         .enumerate()
         .map(|(id, t)| added(id, t, false))
@@ -122,7 +151,7 @@ pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
             .enumerate()
             .map(|(i, t)| added(first_chat_id + i, t, true)),
     );
-    let tokenizer_json = json!({
+    json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -150,15 +179,14 @@ pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
             "continuing_subword_prefix": null, "end_of_word_suffix": null,
             "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
             "vocab": vocab,
-            "merges": trained["model"]["merges"],
+            "merges": merges,
         }
-    });
-    // The files must load as they will be read.
-    let tokenizer_json = serde_json::to_string_pretty(&tokenizer_json).map_err(train_err)?;
-    tokenizer_json
-        .parse::<Tokenizer>()
-        .map_err(|e| train_err(format!("the built tokenizer.json does not load: {e}")))?;
-    let config = json!({
+    })
+}
+
+/// A `LlamaTokenizer` config: BOS added, `legacy: false`, the chat template.
+fn tokenizer_config() -> Json {
+    json!({
         "tokenizer_class": "LlamaTokenizer",
         "add_bos_token": true,
         "add_eos_token": false,
@@ -170,11 +198,6 @@ pub fn build() -> Result<OwnTokenizerFiles, OwnTokenizerError> {
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": false,
         "chat_template": CHAT_TEMPLATE,
-    });
-    let tokenizer_config_json = serde_json::to_string_pretty(&config).map_err(train_err)?;
-    Ok(OwnTokenizerFiles {
-        tokenizer_json,
-        tokenizer_config_json,
     })
 }
 

@@ -73,6 +73,11 @@ fn batches() -> Vec<EventBatch> {
     ]
 }
 
+/// `v` as JSON, `None` when absent.
+fn some_json<T: serde::Serialize>(v: &Option<T>) -> Option<Value> {
+    v.as_ref().map(|v| json!(v))
+}
+
 fn hash_json(h: &BlockHash) -> Value {
     match h {
         BlockHash::Int(v) => json!(v),
@@ -120,13 +125,8 @@ fn event_json(event: &KvEvent, layout: Layout) -> Value {
             opt(&mut m, "token_ids", Some(json!(e.token_ids)), true);
             opt(&mut m, "block_size", Some(json!(e.block_size)), true);
             opt(&mut m, "lora_id", e.lora_id.map(|v| json!(v)), true);
-            opt(&mut m, "medium", e.medium.as_ref().map(|v| json!(v)), true);
-            opt(
-                &mut m,
-                "lora_name",
-                e.lora_name.as_ref().map(|v| json!(v)),
-                true,
-            );
+            opt(&mut m, "medium", some_json(&e.medium), true);
+            opt(&mut m, "lora_name", some_json(&e.lora_name), true);
             let extra = e.extra_keys.as_ref().map(|keys| {
                 keys.iter()
                     .map(|k| match k {
@@ -140,52 +140,27 @@ fn event_json(event: &KvEvent, layout: Layout) -> Value {
             opt(
                 &mut m,
                 "kv_cache_spec_kind",
-                e.kv_cache_spec_kind.as_ref().map(|v| json!(v)),
+                some_json(&e.kv_cache_spec_kind),
                 false,
             );
             let window = e.kv_cache_spec_sliding_window.map(|v| json!(v));
             opt(&mut m, "kv_cache_spec_sliding_window", window, false);
             if layout == Layout::Map {
-                opt(
-                    &mut m,
-                    "locality",
-                    e.locality.as_ref().map(|v| json!(v)),
-                    false,
-                );
-                opt(
-                    &mut m,
-                    "ownership",
-                    e.ownership.as_ref().map(|v| json!(v)),
-                    false,
-                );
-                opt(
-                    &mut m,
-                    "session_id",
-                    e.session_id.as_ref().map(|v| json!(v)),
-                    false,
-                );
-                let lookahead = e.lookahead_token_ids.as_ref().map(|v| json!(v));
+                opt(&mut m, "locality", some_json(&e.locality), false);
+                opt(&mut m, "ownership", some_json(&e.ownership), false);
+                opt(&mut m, "session_id", some_json(&e.session_id), false);
+                let lookahead = some_json(&e.lookahead_token_ids);
                 opt(&mut m, "lookahead_token_ids", lookahead, false);
             }
         }
         KvEvent::BlockRemoved(e) => {
             let hashes = e.block_hashes.iter().map(hash_json).collect();
             opt(&mut m, "block_hashes", Some(Value::Array(hashes)), true);
-            opt(&mut m, "medium", e.medium.as_ref().map(|v| json!(v)), true);
+            opt(&mut m, "medium", some_json(&e.medium), true);
             opt(&mut m, "group_idx", e.group_idx.map(|v| json!(v)), false);
             if layout == Layout::Map {
-                opt(
-                    &mut m,
-                    "locality",
-                    e.locality.as_ref().map(|v| json!(v)),
-                    false,
-                );
-                opt(
-                    &mut m,
-                    "ownership",
-                    e.ownership.as_ref().map(|v| json!(v)),
-                    false,
-                );
+                opt(&mut m, "locality", some_json(&e.locality), false);
+                opt(&mut m, "ownership", some_json(&e.ownership), false);
             }
         }
         KvEvent::AllBlocksCleared => {}

@@ -19,13 +19,7 @@ mod llama3 {
     //! here, Llama 3's `Split` pattern and special tokens) and a chat rendered in its format.
 
     use kvsight_tokenizer::ModelTokenizer;
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::pre_tokenizers::sequence::Sequence;
-    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-    use tokenizers::processors::template::TemplateProcessing;
-    use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+    use tokenizers::AddedToken;
 
     use super::SplitMix;
 
@@ -60,42 +54,21 @@ mod llama3 {
 
     /// The tokenizer, trained to `vocab_size` on pseudo-text.
     pub(super) fn tokenizer_json(vocab_size: usize) -> String {
-        let mut tokenizer = Tokenizer::new(BPE::default());
-        let split = Split::new(
-            SplitPattern::Regex(PATTERN.to_owned()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .expect("pattern");
-        let byte_level = ByteLevel::default()
-            .add_prefix_space(false)
-            .use_regex(false);
-        tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![split.into(), byte_level.into()])));
-        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-            .vocab_size(vocab_size)
-            .show_progress(false)
-            .special_tokens(vec![AddedToken::from("<|begin_of_text|>", true)])
-            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-            .build()
-            .into();
         let mut rng = SplitMix::new(1);
         let corpus: Vec<String> = (0..4000).map(|_| sentence(&mut rng)).collect();
-        tokenizer
-            .train(&mut trainer, corpus.into_iter())
-            .expect("train");
+        let mut tokenizer = kvsight_tokenizer::testing::byte_level_bpe(
+            kvsight_tokenizer::testing::split_byte_level(PATTERN),
+            None,
+            vocab_size,
+            Some("<|begin_of_text|>"),
+            corpus.into_iter(),
+        );
         tokenizer
             .add_special_tokens(
                 ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
                     .map(|t| AddedToken::from(t, true)),
             )
             .expect("special tokens");
-        let post = TemplateProcessing::builder()
-            .try_single("<|begin_of_text|> $A")
-            .expect("single")
-            .special_tokens(vec![("<|begin_of_text|>".to_owned(), 0)])
-            .build()
-            .expect("post-processor");
-        tokenizer.with_post_processor(Some(post));
         tokenizer.to_string(false).expect("serialize")
     }
 

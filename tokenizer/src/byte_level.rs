@@ -72,11 +72,9 @@ impl ByteLevelFastPath {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::models::bpe::BPE;
     use tokenizers::normalizers::Lowercase;
     use tokenizers::pre_tokenizers::metaspace::Metaspace;
-    use tokenizers::processors::template::TemplateProcessing;
     use tokenizers::{
         AddedToken, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer as _,
     };
@@ -154,19 +152,13 @@ mod tests {
     /// A small byte-level BPE with added tokens of every flavour (special or not, stripping,
     /// single-word, matched on normalized text) and a BOS post-processor.
     fn tokenizer_json(add_prefix_space: bool) -> String {
-        let mut tokenizer = Tokenizer::new(BPE::default());
-        let byte_level = ByteLevel::default().add_prefix_space(add_prefix_space);
-        tokenizer.with_pre_tokenizer(Some(byte_level));
-        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-            .vocab_size(600)
-            .show_progress(false)
-            .special_tokens(vec![AddedToken::from("<|bos|>", true)])
-            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-            .build()
-            .into();
-        tokenizer
-            .train(&mut trainer, corpus().into_iter())
-            .expect("train");
+        let mut tokenizer = crate::testing::byte_level_bpe(
+            ByteLevel::default().add_prefix_space(add_prefix_space),
+            None,
+            600,
+            Some("<|bos|>"),
+            corpus().into_iter(),
+        );
         tokenizer
             .add_special_tokens([
                 AddedToken::from("<|end|>", true).rstrip(true),
@@ -179,13 +171,6 @@ mod tests {
                 AddedToken::from("day", false).normalized(true),
             ])
             .expect("added tokens");
-        let post = TemplateProcessing::builder()
-            .try_single("<|bos|> $A")
-            .expect("single")
-            .special_tokens(vec![("<|bos|>".to_owned(), 0)])
-            .build()
-            .expect("post-processor");
-        tokenizer.with_post_processor(Some(post));
         tokenizer.to_string(false).expect("serialize")
     }
 

@@ -31,6 +31,8 @@ mod dialect;
 mod sentencepiece;
 mod split;
 mod template;
+#[doc(hidden)]
+pub mod testing;
 
 use byte_level::ByteLevelFastPath;
 use config::{

@@ -362,11 +362,9 @@ impl ByteAlphabet {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::models::bpe::BPE;
     use tokenizers::normalizers::unicode::NFC;
     use tokenizers::pre_tokenizers::sequence::Sequence;
-    use tokenizers::processors::template::TemplateProcessing;
     use tokenizers::{
         AddedToken, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer as _,
     };
@@ -479,30 +477,13 @@ mod tests {
     /// A small Llama-3-shaped tokenizer: byte-level BPE trained here, `Sequence[Split(pattern),
     /// ByteLevel]`, Llama 3's special tokens and a BOS post-processor, and `nfc` for Qwen2.
     fn tokenizer(pattern: &str, nfc: bool) -> Tokenizer {
-        let mut tokenizer = Tokenizer::new(BPE::default());
-        let split = Split::new(
-            SplitPattern::Regex(pattern.to_owned()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .expect("pattern");
-        let byte_level = ByteLevel::default()
-            .add_prefix_space(false)
-            .use_regex(false);
-        tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![split.into(), byte_level.into()])));
-        if nfc {
-            tokenizer.with_normalizer(Some(NFC)).expect("normalizer");
-        }
-        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-            .vocab_size(800)
-            .show_progress(false)
-            .special_tokens(vec![AddedToken::from("<|begin_of_text|>", true)])
-            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-            .build()
-            .into();
-        tokenizer
-            .train(&mut trainer, corpus().into_iter())
-            .expect("train");
+        let mut tokenizer = crate::testing::byte_level_bpe(
+            crate::testing::split_byte_level(pattern),
+            nfc.then(|| NFC.into()),
+            800,
+            Some("<|begin_of_text|>"),
+            corpus().into_iter(),
+        );
         tokenizer
             .add_special_tokens([
                 AddedToken::from("<|eot_id|>", true),
@@ -510,13 +491,6 @@ mod tests {
                 AddedToken::from("<|end_header_id|>", true),
             ])
             .expect("special tokens");
-        let post = TemplateProcessing::builder()
-            .try_single("<|begin_of_text|> $A")
-            .expect("single")
-            .special_tokens(vec![("<|begin_of_text|>".to_owned(), 0)])
-            .build()
-            .expect("post-processor");
-        tokenizer.with_post_processor(Some(post));
         tokenizer
     }
 

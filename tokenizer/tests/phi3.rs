@@ -116,18 +116,32 @@ fn phi3_digest_identifies_the_inputs() {
 
 /// A minimal tokenizer.json (word-level, whitespace) so these tests need no fixture.
 fn tiny_tokenizer_json() -> Vec<u8> {
+    word_level_json(
+        serde_json::json!({"[UNK]": 0, "hello": 1, "world": 2}),
+        serde_json::json!([]),
+        serde_json::Value::Null,
+    )
+}
+
+/// A word-level tokenizer.json over `vocab` (whitespace pre-tokenizer, `[UNK]` unknown) with
+/// these added tokens and post-processor.
+fn word_level_json(
+    vocab: serde_json::Value,
+    added_tokens: serde_json::Value,
+    post_processor: serde_json::Value,
+) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [],
+        "added_tokens": added_tokens,
         "normalizer": null,
         "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": null,
+        "post_processor": post_processor,
         "decoder": null,
         "model": {
             "type": "WordLevel",
-            "vocab": {"[UNK]": 0, "hello": 1, "world": 2},
+            "vocab": vocab,
             "unk_token": "[UNK]"
         }
     }))
@@ -357,25 +371,14 @@ fn with_post_processor(
     post_processor: serde_json::Value,
     config: serde_json::Value,
 ) -> ModelTokenizer {
-    let json = serde_json::to_vec(&serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [
+    let json = word_level_json(
+        serde_json::json!({"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4}),
+        serde_json::json!([
             {"id": 3, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
             {"id": 4, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
-        ],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": post_processor,
-        "decoder": null,
-        "model": {
-            "type": "WordLevel",
-            "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4},
-            "unk_token": "[UNK]"
-        }
-    }))
-    .expect("json");
+        ]),
+        post_processor,
+    );
     let config = serde_json::to_vec(&config).expect("json");
     ModelTokenizer::from_bytes(&json, Some(&config)).expect("tokenizer")
 }
@@ -458,22 +461,11 @@ fn llama_family_flags_decide_the_completion_specials() {
 fn config_special_tokens_become_atomic_as_in_transformers() {
     // "<x>" is in the vocabulary but not an added token; the Whitespace pre-tokenizer would
     // split it into "<", "x", ">" — unless the config's special tokens are registered.
-    let json = serde_json::to_vec(&serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": null,
-        "decoder": null,
-        "model": {
-            "type": "WordLevel",
-            "vocab": {"[UNK]": 0, "hello": 1, "<x>": 2, "<": 3, ">": 4},
-            "unk_token": "[UNK]"
-        }
-    }))
-    .expect("json");
+    let json = word_level_json(
+        serde_json::json!({"[UNK]": 0, "hello": 1, "<x>": 2, "<": 3, ">": 4}),
+        serde_json::json!([]),
+        serde_json::Value::Null,
+    );
     let plain = ModelTokenizer::from_bytes(&json, None).expect("tokenizer");
     assert_eq!(
         plain.encode("hello<x>", false).expect("encode"),

@@ -41,18 +41,17 @@ const NEVER_REACHES: [(&str, &str, &str); 3] = [
 
 /// Reads the workspace's crates from `cargo metadata` and fails on a cycle or a forbidden edge.
 pub(crate) fn deps_check() -> Result<()> {
-    let out = Command::new(crate::cargo())
-        .args(["metadata", "--format-version", "1", "--no-deps", "--locked"])
-        .output()
-        .context("running cargo metadata")?;
-    if !out.status.success() {
-        bail!(
-            "cargo metadata failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let meta: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
+    let out = crate::stdout_of(
+        "cargo metadata",
+        Command::new(crate::cargo()).args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--locked",
+        ]),
+    )?;
+    let meta: serde_json::Value = serde_json::from_slice(&out).context("parsing cargo metadata")?;
     let graph = workspace_graph(&meta)?;
     check(&graph)?;
     println!(

@@ -77,24 +77,19 @@ fn is_test_path(rel: &Path) -> bool {
 
 /// Every `*.rs` file git tracks (so `target/` and fetched trees never count).
 fn rust_files(root: &Path) -> Result<Vec<PathBuf>> {
-    let out = std::process::Command::new("git")
-        .args([
-            "ls-files",
-            "--cached",
-            "--others",
-            "--exclude-standard",
-            "*.rs",
-        ])
-        .current_dir(root)
-        .output()
-        .context("git ls-files")?;
-    if !out.status.success() {
-        bail!(
-            "git ls-files failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout)
+    let out = crate::stdout_of(
+        "git ls-files",
+        std::process::Command::new("git")
+            .args([
+                "ls-files",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+                "*.rs",
+            ])
+            .current_dir(root),
+    )?;
+    Ok(String::from_utf8_lossy(&out)
         .lines()
         .map(|l| root.join(l))
         .filter(|p| p.exists())

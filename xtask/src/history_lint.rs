@@ -15,7 +15,7 @@
 //! [`PENDING`] lists files with history that their owners have yet to clean; they are reported
 //! but do not fail the lint. Empty it as they are cleaned.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
@@ -36,7 +36,7 @@ struct Finding {
 
 pub(crate) fn history_lint(root: &Path) -> Result<()> {
     let mut files = Vec::new();
-    collect(root, &mut files)?;
+    crate::source_files(root, &|name| name.ends_with(".rs"), &mut files)?;
     files.sort();
     let mut failures = Vec::new();
     let mut pending = Vec::new();
@@ -87,24 +87,6 @@ pub(crate) fn history_lint(root: &Path) -> Result<()> {
         files.len(),
         PENDING.len()
     );
-    Ok(())
-}
-
-/// Every `.rs` file under `dir`, build output, fuzz corpora and VCS data left out.
-fn collect(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
-        let entry = entry?;
-        let path = entry.path();
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if entry.file_type()?.is_dir() {
-            if !(name.starts_with('.') || name == "target" || name == "corpus") {
-                collect(&path, out)?;
-            }
-        } else if name.ends_with(".rs") {
-            out.push(path);
-        }
-    }
     Ok(())
 }
 

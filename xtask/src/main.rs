@@ -711,17 +711,11 @@ fn real_vllm(root: &Path, extra: &[String]) -> Result<()> {
 
 /// The own and Llama-2-shaped tokenizer folders (built on first use by the bench binary).
 fn kvsight_dirs(root: &Path) -> Result<(PathBuf, PathBuf)> {
-    let out = Command::new(root.join("target/debug/kvsight-bench"))
-        .arg("tokenizer-dirs")
-        .output()
-        .context("kvsight-bench tokenizer-dirs")?;
-    if !out.status.success() {
-        bail!(
-            "kvsight-bench tokenizer-dirs: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let out = stdout_of(
+        "kvsight-bench tokenizer-dirs",
+        Command::new(root.join("target/debug/kvsight-bench")).arg("tokenizer-dirs"),
+    )?;
+    let text = String::from_utf8_lossy(&out);
     let mut lines = text.lines();
     match (lines.next(), lines.next()) {
         (Some(a), Some(b)) => Ok((PathBuf::from(a), PathBuf::from(b))),
@@ -824,6 +818,34 @@ impl ClippyBuild {
             "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
         )
     }
+}
+
+/// `cmd`'s standard output; its standard error in the error when it fails.
+fn stdout_of(label: &str, cmd: &mut Command) -> Result<Vec<u8>> {
+    let out = cmd.output().with_context(|| format!("running {label}"))?;
+    if !out.status.success() {
+        bail!("{label} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(out.stdout)
+}
+
+/// Every file under `dir` whose name `keep` accepts; build output (`target`), fuzz corpora and
+/// hidden folders (VCS data) left out.
+fn source_files(dir: &Path, keep: &dyn Fn(&str) -> bool, out: &mut Vec<PathBuf>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let entry = entry?;
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if entry.file_type()?.is_dir() {
+            if !(name.starts_with('.') || name == "target" || name == "corpus") {
+                source_files(&path, keep, out)?;
+            }
+        } else if keep(&name) {
+            out.push(path);
+        }
+    }
+    Ok(())
 }
 
 fn step(label: &str, args: &[&str]) -> Result<()> {

@@ -3,7 +3,7 @@
 //! and this check is what keeps it one: any other `allow`/`expect` of `unsafe_code` in a source
 //! file, or any manifest relaxing the lint, fails `cargo xtask ci`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
@@ -12,7 +12,11 @@ const ALLOWED: &str = "sidecar/src/memory.rs";
 
 pub(crate) fn unsafe_confined(root: &Path) -> Result<()> {
     let mut files = Vec::new();
-    collect(root, &mut files)?;
+    crate::source_files(
+        root,
+        &|name| name.ends_with(".rs") || name == "Cargo.toml",
+        &mut files,
+    )?;
     let mut lifts = Vec::new();
     for path in &files {
         let text =
@@ -58,24 +62,6 @@ fn offences(rel: &str, text: &str) -> Vec<String> {
         })
         .map(|(i, line)| format!("{rel}:{}: {}", i + 1, line.trim()))
         .collect()
-}
-
-/// Every `.rs` file and `Cargo.toml` under `dir`, build output and VCS data left out.
-fn collect(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
-        let entry = entry?;
-        let path = entry.path();
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if entry.file_type()?.is_dir() {
-            if !(name.starts_with('.') || name == "target" || name == "corpus") {
-                collect(&path, out)?;
-            }
-        } else if name.ends_with(".rs") || name == "Cargo.toml" {
-            out.push(path);
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -246,9 +246,130 @@ struct Reading {
     machine: Option<(u64, u64)>,
 }
 
+/// What the ingest window measured: its readings' differences over its wall time.
+struct Ingest {
+    router_rss_mib: Option<f64>,
+    swarm_rss_mib: Option<f64>,
+    /// Cores per router.
+    router_cpu_cores: f64,
+    swarm_cpu_cores: f64,
+    /// Per router, per second.
+    bytes: f64,
+    deltas: f64,
+    staleness: Buckets,
+    machine_busy_cores: Option<f64>,
+}
+
+/// What the requests at low load measured.
+struct Requests {
+    pick: Buckets,
+    added: Buckets,
+    tokenize: Buckets,
+    /// Sidecar connections the routers refused over their whole life, connect window included.
+    refused: f64,
+    /// Prompts hashed in approximate mode.
+    approximate: f64,
+    failures: Vec<String>,
+}
+
+impl Requests {
+    /// The errors of the whole cell, the swarm's `last` report's with these, and the first one.
+    fn errors(&self, last: &StatsReport, requests: usize) -> (u64, Option<String>) {
+        let mut errors = last.errors;
+        let mut first_error = last.first_error.clone();
+        let mut note = |count: u64, what: String| {
+            if count > 0 {
+                errors += count;
+                first_error.get_or_insert(what);
+            }
+        };
+        note(
+            self.failures.len() as u64,
+            self.failures.first().cloned().unwrap_or_default(),
+        );
+        let (refused, approximate) = (self.refused, self.approximate);
+        note(
+            refused as u64,
+            format!("routers refused {refused} sidecar connections"),
+        );
+        note(
+            approximate as u64,
+            format!("{approximate} prompts hashed in approximate mode"),
+        );
+        if self.pick.total() < requests as f64 {
+            note(
+                1,
+                format!(
+                    "{} picks counted for {} requests",
+                    self.pick.total(),
+                    requests
+                ),
+            );
+        }
+        (errors, first_error)
+    }
+}
+
 impl Cell<'_> {
     async fn run(&self, n: usize, r: usize) -> Result<Row> {
         let opts = self.opts;
+        let mut routers = self.start_routers(r).await?;
+        let drops_before = udp_rcvbuf_errors();
+        let control = format!("127.0.0.1:{}", free_tcp_port()?);
+        let mut swarm = self.start_swarm(n, &routers, &control)?;
+        let stats_url = format!("http://{control}/stats");
+
+        let connect_s = self
+            .wait_routable(n, &mut routers, &mut swarm, &stats_url)
+            .await?;
+        let connect_errors = swarm_stats(self.http, &stats_url).await?.errors;
+        println!("fleet: every pod routable on every router after {connect_s:.1} s");
+        let ingest = self.ingest(&mut routers, &mut swarm, &stats_url).await?;
+        let requests = self.requests(&routers).await?;
+        self.check_alive(&mut routers, &mut swarm)?;
+        let last = swarm_stats(self.http, &stats_url).await?;
+        let (errors, first_error) = requests.errors(&last, opts.requests);
+
+        let udp_drops = match (drops_before, udp_rcvbuf_errors()) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        // Stop: the swarm says goodbye first, then the routers drain.
+        swarm.stop(Duration::from_secs(5)).await;
+        for router in routers {
+            router.proc.stop(Duration::from_secs(5)).await;
+        }
+        let (pick, added, tokenize) = (&requests.pick, &requests.added, &requests.tokenize);
+        Ok(Row {
+            pods: n,
+            routers: r,
+            pick_p50_us: pick.quantile(0.5).map(|v| v * 1e6),
+            pick_p99_us: pick.quantile(0.99).map(|v| v * 1e6),
+            added_latency_p50_ms: added.quantile(0.5).map(|v| v * 1e3),
+            added_latency_p99_ms: added.quantile(0.99).map(|v| v * 1e3),
+            tokenize_p50_ms: tokenize.quantile(0.5).map(|v| v * 1e3),
+            tokenize_p99_ms: tokenize.quantile(0.99).map(|v| v * 1e3),
+            router_rss_mib: ingest.router_rss_mib,
+            router_ingest_cpu_cores: Some(ingest.router_cpu_cores),
+            staleness_p50_s: ingest.staleness.quantile(0.5),
+            staleness_p99_s: ingest.staleness.quantile(0.99),
+            swarm_cpu_cores: Some(ingest.swarm_cpu_cores),
+            swarm_rss_mib: ingest.swarm_rss_mib,
+            bytes_per_s_per_router: Some(ingest.bytes),
+            deltas_per_s_per_router: Some(ingest.deltas),
+            connect_s: Some(connect_s),
+            machine_busy_cores: ingest.machine_busy_cores,
+            requests: opts.requests,
+            udp_rcvbuf_errors: udp_drops,
+            resyncs: last.resyncs,
+            connect_errors,
+            errors,
+            first_error,
+        })
+    }
+
+    /// `r` routers, each answering `/health`.
+    async fn start_routers(&self, r: usize) -> Result<Vec<Router>> {
         let mut routers = Vec::with_capacity(r);
         for j in 0..r {
             routers.push(self.start_router(j)?);
@@ -262,23 +383,29 @@ impl Cell<'_> {
             )
             .await?;
         }
-        let drops_before = udp_rcvbuf_errors();
-        let control = format!("127.0.0.1:{}", free_tcp_port()?);
-        let mut swarm = self.start_swarm(n, &routers, &control)?;
-        let stats_url = format!("http://{control}/stats");
+        Ok(routers)
+    }
 
-        // Connect.
+    /// Waits until every router has all `n` pods routable; the seconds it took.
+    async fn wait_routable(
+        &self,
+        n: usize,
+        routers: &mut [Router],
+        swarm: &mut Proc,
+        stats_url: &str,
+    ) -> Result<f64> {
+        let opts = self.opts;
         let started = Instant::now();
         let deadline = started + opts.connect_within;
         loop {
             let mut all = true;
-            for router in &routers {
+            for router in routers.iter() {
                 all &= router.routable(self.http).await.unwrap_or(0) >= n;
             }
             if all {
                 break;
             }
-            self.check_alive(&mut routers, &mut swarm)?;
+            self.check_alive(routers, swarm)?;
             if Instant::now() >= deadline {
                 let counts =
                     futures_util::future::join_all(routers.iter().map(|x| x.routable(self.http)))
@@ -290,28 +417,35 @@ impl Cell<'_> {
                         .into_iter()
                         .map(|c| c.unwrap_or(0))
                         .collect::<Vec<_>>(),
-                    swarm_stats(self.http, &stats_url).await.ok()
+                    swarm_stats(self.http, stats_url).await.ok()
                 );
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        let connect_s = started.elapsed().as_secs_f64();
-        let connect_errors = swarm_stats(self.http, &stats_url).await?.errors;
-        println!("fleet: every pod routable on every router after {connect_s:.1} s");
+        Ok(started.elapsed().as_secs_f64())
+    }
 
-        // Ingest: a warm-up, then the window (both fixed lengths of measurement).
-        self.watch(&mut routers, &mut swarm, opts.warmup).await?;
-        let before = self.read(&routers, &swarm, &stats_url).await?;
-        self.watch(&mut routers, &mut swarm, opts.ingest).await?;
-        let after = self.read(&routers, &swarm, &stats_url).await?;
+    /// Ingest: a warm-up, then the window (both fixed lengths of measurement).
+    async fn ingest(
+        &self,
+        routers: &mut [Router],
+        swarm: &mut Proc,
+        stats_url: &str,
+    ) -> Result<Ingest> {
+        let opts = self.opts;
+        let r = routers.len();
+        self.watch(routers, swarm, opts.warmup).await?;
+        let before = self.read(routers, swarm, stats_url).await?;
+        self.watch(routers, swarm, opts.ingest).await?;
+        let after = self.read(routers, swarm, stats_url).await?;
         let rss_mib = |p: &Proc| p.rss_bytes().map(|b| b as f64 / (1 << 20) as f64);
         let router_rss_mib = routers
             .iter()
             .filter_map(|x| rss_mib(&x.proc))
             .reduce(f64::max);
-        let swarm_rss_mib = rss_mib(&swarm);
+        let swarm_rss_mib = rss_mib(swarm);
         let wall = (after.at - before.at).as_secs_f64();
-        let ingest_cpu = after
+        let router_cpu_cores = after
             .router_cpu
             .iter()
             .zip(&before.router_cpu)
@@ -329,27 +463,35 @@ impl Cell<'_> {
             / wall;
         let deltas =
             after.swarm.deltas.saturating_sub(before.swarm.deltas) as f64 / r as f64 / wall;
-        let staleness = after.staleness.since(&before.staleness);
         let machine_busy_cores = match (before.machine, after.machine) {
             (Some((b0, _)), Some((b1, _))) => Some((b1 - b0) as f64 / 100.0 / wall),
             _ => None,
         };
+        Ok(Ingest {
+            router_rss_mib,
+            swarm_rss_mib,
+            router_cpu_cores,
+            swarm_cpu_cores: (after.swarm_cpu - before.swarm_cpu) / wall,
+            bytes,
+            deltas,
+            staleness: after.staleness.since(&before.staleness),
+            machine_busy_cores,
+        })
+    }
 
-        // Requests at low load.
-        let before_requests = self.request_metrics(&routers).await?;
-        let mut request_errors = Vec::new();
-        for i in 0..opts.requests {
-            let router = &routers[i % r];
+    /// Requests at low load, spread over the routers in turn.
+    async fn requests(&self, routers: &[Router]) -> Result<Requests> {
+        let before = self.request_metrics(routers).await?;
+        let mut failures = Vec::new();
+        for i in 0..self.opts.requests {
+            let router = &routers[i % routers.len()];
             if let Err(e) = self.request(router, i).await {
-                request_errors.push(format!("request {i} via {}: {e:#}", router.proc.name));
+                failures.push(format!("request {i} via {}: {e:#}", router.proc.name));
             }
         }
-        let after_requests = self.request_metrics(&routers).await?;
-        let pick = after_requests.pick.since(&before_requests.pick);
-        let added = after_requests.added.since(&before_requests.added);
-        let tokenize = after_requests.tokenize.since(&before_requests.tokenize);
+        let after = self.request_metrics(routers).await?;
         let mut approximate = 0.0;
-        for router in &routers {
+        for router in routers {
             let text = router.metrics(self.http).await?;
             approximate += counter_with(
                 &text,
@@ -358,77 +500,13 @@ impl Cell<'_> {
                 "approximate",
             )?;
         }
-        self.check_alive(&mut routers, &mut swarm)?;
-        let last = swarm_stats(self.http, &stats_url).await?;
-
-        // Errors.
-        let mut errors = last.errors;
-        let mut first_error = last.first_error.clone();
-        let mut note = |count: u64, what: String| {
-            if count > 0 {
-                errors += count;
-                first_error.get_or_insert(what);
-            }
-        };
-        note(
-            request_errors.len() as u64,
-            request_errors.first().cloned().unwrap_or_default(),
-        );
-        // Over the whole life of the routers, connect window included.
-        let refused = after_requests.refused;
-        note(
-            refused as u64,
-            format!("routers refused {refused} sidecar connections"),
-        );
-        note(
-            approximate as u64,
-            format!("{approximate} prompts hashed in approximate mode"),
-        );
-        if pick.total() < opts.requests as f64 {
-            note(
-                1,
-                format!(
-                    "{} picks counted for {} requests",
-                    pick.total(),
-                    opts.requests
-                ),
-            );
-        }
-
-        let udp_drops = match (drops_before, udp_rcvbuf_errors()) {
-            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
-            _ => None,
-        };
-        // Stop: the swarm says goodbye first, then the routers drain.
-        swarm.stop(Duration::from_secs(5)).await;
-        for router in routers {
-            router.proc.stop(Duration::from_secs(5)).await;
-        }
-        Ok(Row {
-            pods: n,
-            routers: r,
-            pick_p50_us: pick.quantile(0.5).map(|v| v * 1e6),
-            pick_p99_us: pick.quantile(0.99).map(|v| v * 1e6),
-            added_latency_p50_ms: added.quantile(0.5).map(|v| v * 1e3),
-            added_latency_p99_ms: added.quantile(0.99).map(|v| v * 1e3),
-            tokenize_p50_ms: tokenize.quantile(0.5).map(|v| v * 1e3),
-            tokenize_p99_ms: tokenize.quantile(0.99).map(|v| v * 1e3),
-            router_rss_mib,
-            router_ingest_cpu_cores: Some(ingest_cpu),
-            staleness_p50_s: staleness.quantile(0.5),
-            staleness_p99_s: staleness.quantile(0.99),
-            swarm_cpu_cores: Some((after.swarm_cpu - before.swarm_cpu) / wall),
-            swarm_rss_mib,
-            bytes_per_s_per_router: Some(bytes),
-            deltas_per_s_per_router: Some(deltas),
-            connect_s: Some(connect_s),
-            machine_busy_cores,
-            requests: opts.requests,
-            udp_rcvbuf_errors: udp_drops,
-            resyncs: last.resyncs,
-            connect_errors,
-            errors,
-            first_error,
+        Ok(Requests {
+            pick: after.pick.since(&before.pick),
+            added: after.added.since(&before.added),
+            tokenize: after.tokenize.since(&before.tokenize),
+            refused: after.refused,
+            approximate,
+            failures,
         })
     }
 

@@ -490,10 +490,18 @@ async fn connection(
         Ok(c) => c,
         Err(e) => return stats.error(format!("{}: client config: {e}", pod.hello.pod.name)),
     };
+    let link = Link {
+        pod: &pod,
+        endpoint: &endpoint,
+        j,
+        addr,
+        stats: &stats,
+        cancel: &cancel,
+    };
     let mut backoff = MIN_BACKOFF;
     while !cancel.is_cancelled() {
         let started = Instant::now();
-        let result = connect_once(&pod, &endpoint, config.clone(), j, addr, &stats, &cancel).await;
+        let result = link.connect_once(config.clone()).await;
         if cancel.is_cancelled() {
             return;
         }
@@ -516,42 +524,76 @@ async fn connection(
     }
 }
 
-/// One connection's life; `Ok` when the router said goodbye or the swarm is stopping.
-async fn connect_once(
-    pod: &Pod,
-    endpoint: &quinn::Endpoint,
-    config: quinn::ClientConfig,
+/// One pod's link to router `j`: what each of its connections uses.
+struct Link<'a> {
+    pod: &'a Pod,
+    endpoint: &'a quinn::Endpoint,
     j: usize,
     addr: SocketAddr,
+    stats: &'a Stats,
+    cancel: &'a CancellationToken,
+}
+
+impl Link<'_> {
+    /// One connection's life; `Ok` when the router said goodbye or the swarm is stopping.
+    async fn connect_once(&self, config: quinn::ClientConfig) -> Result<()> {
+        let Some((conn, tx, rx)) = self.handshake(config).await? else {
+            return Ok(());
+        };
+        let stats = self.stats;
+        stats.welcomed.fetch_add(1, Ordering::Relaxed);
+        stats.connected.fetch_add(1, Ordering::Relaxed);
+        let _connected = Connected(&stats.connected);
+        serve(self.pod, &conn, tx, rx, self.j, stats, self.cancel).await
+    }
+
+    /// Connects and says `Hello` until the router's `Welcome`; `None` when the swarm stopped
+    /// meanwhile.
+    async fn handshake(
+        &self,
+        config: quinn::ClientConfig,
+    ) -> Result<Option<(quinn::Connection, FramedSend, FramedRecv)>> {
+        let cancel = self.cancel;
+        let connecting = self.endpoint.connect_with(config, self.addr, "localhost")?;
+        let conn = tokio::select! {
+            () = cancel.cancelled() => return Ok(None),
+            c = timeout(HANDSHAKE_TIMEOUT, connecting) => c.context("handshake timed out")??,
+        };
+        let (send, recv) = conn.open_bi().await?;
+        let (mut tx, mut rx) = (FramedSend::new(send), FramedRecv::new(recv));
+        let n = tx
+            .send(&SidecarMessage::Hello(self.pod.hello.clone()))
+            .await?;
+        self.stats.bytes[self.j].fetch_add(n as u64, Ordering::Relaxed);
+        let answer = tokio::select! {
+            () = cancel.cancelled() => return Ok(None),
+            a = timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>()) => a.context("no Welcome")??,
+        };
+        match answer {
+            Some(RouterMessage::Welcome(_)) => {}
+            Some(RouterMessage::Refused(r)) => bail!("refused: {}", r.reason),
+            Some(_) => bail!("a message before Welcome"),
+            None => bail!("the router closed the stream before Welcome"),
+        }
+        Ok(Some((conn, tx, rx)))
+    }
+}
+
+/// A welcomed connection: a snapshot and the latest load, then deltas and loads as the pod
+/// publishes them, a snapshot again whenever the router asks or a delta is missed.
+async fn serve(
+    pod: &Pod,
+    conn: &quinn::Connection,
+    mut tx: FramedSend,
+    mut rx: FramedRecv,
+    j: usize,
     stats: &Stats,
     cancel: &CancellationToken,
 ) -> Result<()> {
-    let connecting = endpoint.connect_with(config, addr, "localhost")?;
-    let conn = tokio::select! {
-        () = cancel.cancelled() => return Ok(()),
-        c = timeout(HANDSHAKE_TIMEOUT, connecting) => c.context("handshake timed out")??,
-    };
-    let (send, recv) = conn.open_bi().await?;
-    let (mut tx, mut rx) = (FramedSend::new(send), FramedRecv::new(recv));
     let bytes = &stats.bytes[j];
     let sent = |n: usize| {
         bytes.fetch_add(n as u64, Ordering::Relaxed);
     };
-    sent(tx.send(&SidecarMessage::Hello(pod.hello.clone())).await?);
-    let answer = tokio::select! {
-        () = cancel.cancelled() => return Ok(()),
-        a = timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>()) => a.context("no Welcome")??,
-    };
-    match answer {
-        Some(RouterMessage::Welcome(_)) => {}
-        Some(RouterMessage::Refused(r)) => bail!("refused: {}", r.reason),
-        Some(_) => bail!("a message before Welcome"),
-        None => bail!("the router closed the stream before Welcome"),
-    }
-    stats.welcomed.fetch_add(1, Ordering::Relaxed);
-    stats.connected.fetch_add(1, Ordering::Relaxed);
-    let _connected = Connected(&stats.connected);
-
     // Subscribe before the snapshot so that no delta after it is missed.
     let mut deltas = pod.deltas.subscribe();
     // The published state and its version, under one lock.

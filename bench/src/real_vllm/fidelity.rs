@@ -179,141 +179,199 @@ async fn compare(
     // Anything published before the trace (nothing is expected) is not part of it.
     sub_vllm.events().await?;
     sub_sim.events().await?;
-
-    let serial = serial_trace();
-    f.serial_requests = serial.len();
-    let before = (counters(http, vllm).await?, counters(http, sim).await?);
-    let (a, b) = tokio::join!(
-        send_serial(http, vllm, name, &serial),
-        send_serial(http, sim, name, &serial)
-    );
-    let (uv, us) = (a?, b?);
-    let after = (counters(http, vllm).await?, counters(http, sim).await?);
-    f.serial_queries = (after.0.0 - before.0.0, after.1.0 - before.1.0);
-    f.serial_hits = (after.0.1 - before.0.1, after.1.1 - before.1.1);
-    f.prompt_tokens_equal = uv.iter().zip(&us).all(|(a, b)| a.0 == b.0);
-    for (i, (v, s)) in uv.iter().zip(&us).enumerate() {
-        f.serial_cached_tokens_vllm += v.1;
-        f.serial_cached_tokens_sim += s.1;
-        if v == s {
-            f.serial_cached_agree += 1;
-        } else if f.serial_first_cached_difference.is_none() {
-            f.serial_first_cached_difference = Some(format!(
-                "request {i} ({}): vLLM (prompt, cached) {v:?}, sim {s:?}",
-                serial[i].label
-            ));
-        }
-    }
-    f.serial_cached_tokens_equal = f.serial_cached_agree == serial.len();
-    let serial_log = (
-        settled_events(sub_vllm).await?,
-        settled_events(sub_sim).await?,
-    );
-    let ev = (
-        canonical(&serial_log.0, SHAPE.block_size).context("vLLM's events")?,
-        canonical(&serial_log.1, SHAPE.block_size).context("the simulator's events")?,
-    );
-    f.serial_events_vllm = ev.0.len();
-    f.serial_events_sim = ev.1.len();
-    f.serial_evictions_vllm =
-        ev.0.iter()
-            .filter(|e| matches!(e, BlockEvent::Removed(_)))
-            .count();
-    f.serial_events_equal = ev.0 == ev.1;
-    if !f.serial_events_equal {
-        let i =
-            ev.0.iter()
-                .zip(&ev.1)
-                .position(|(a, b)| a != b)
-                .unwrap_or(ev.0.len().min(ev.1.len()));
-        let window = |v: &[BlockEvent]| -> String {
-            v.iter()
-                .skip(i.saturating_sub(2))
-                .take(6)
-                .map(|e| e.to_string())
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        f.serial_first_event_difference = Some(format!(
-            "at block event {i} of {}/{}: vLLM … {} …; sim … {} …",
-            ev.0.len(),
-            ev.1.len(),
-            window(&ev.0),
-            window(&ev.1)
-        ));
-    }
-
-    // Concurrent: both engines get the same trace at once (the simulator costs no CPU to speak
-    // of), the gauges sampled on both until both are done.
-    let trace = concurrent_trace();
-    f.concurrent_requests = trace.len();
-    let before = (counters(http, vllm).await?, counters(http, sim).await?);
-    let (done_v, done_s) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let sampler_v = tokio::spawn(sample_gauges(http.clone(), vllm.to_owned(), done_v.clone()));
-    let sampler_s = tokio::spawn(sample_gauges(http.clone(), sim.to_owned(), done_s.clone()));
-    // Each side's gauges are sampled while its own trace runs.
-    let (a, b) = tokio::join!(
-        async {
-            let r = send_concurrent(http, vllm, name, &trace).await;
-            done_v.store(true, Ordering::SeqCst);
-            r
-        },
-        async {
-            let r = send_concurrent(http, sim, name, &trace).await;
-            done_s.store(true, Ordering::SeqCst);
-            r
-        }
-    );
-    let (gv, gs) = (sampler_v.await?, sampler_s.await?);
-    let ((uv, tv), (us, ts)) = (a?, b?);
-    let after = (counters(http, vllm).await?, counters(http, sim).await?);
-    f.concurrent_cached_agree = uv.iter().zip(&us).filter(|(a, b)| a == b).count();
-    let ev = (
-        canonical_from(&serial_log.0, &settled_events(sub_vllm).await?)
-            .context("vLLM's concurrent events")?,
-        canonical_from(&serial_log.1, &settled_events(sub_sim).await?)
-            .context("the simulator's concurrent events")?,
-    );
-    let count = |v: &[BlockEvent], stored: bool| {
-        v.iter()
-            .filter(|e| matches!(e, BlockEvent::Stored(_)) == stored)
-            .count()
+    let mut pair = Pair {
+        http,
+        name,
+        vllm,
+        sim,
+        sub_vllm,
+        sub_sim,
     };
-    f.concurrent_stored = (count(&ev.0, true), count(&ev.1, true));
-    f.concurrent_evicted = (count(&ev.0, false), count(&ev.1, false));
+    let serial_log = pair.serial(&mut f).await?;
+    pair.concurrent(&mut f, &serial_log).await?;
+    Ok(f)
+}
+
+/// The real engine and the simulated one, side by side: where requests go and where their
+/// KV events come from.
+struct Pair<'a> {
+    http: &'a reqwest::Client,
+    name: &'a str,
+    vllm: &'a str,
+    sim: &'a str,
+    sub_vllm: &'a mut Subscriber,
+    sub_sim: &'a mut Subscriber,
+}
+
+impl Pair<'_> {
+    /// Both engines' prefix-cache and preemption counters, vLLM's first.
+    async fn counters(&self) -> Result<((f64, f64, f64), (f64, f64, f64))> {
+        Ok((
+            counters(self.http, self.vllm).await?,
+            counters(self.http, self.sim).await?,
+        ))
+    }
+
+    /// The serial trace on both, one request at a time: usage and KV events compared request
+    /// by request. Returns both engines' raw event logs.
+    async fn serial(&mut self, f: &mut Fidelity) -> Result<(Vec<Value>, Vec<Value>)> {
+        let (http, name) = (self.http, self.name);
+        let serial = serial_trace();
+        f.serial_requests = serial.len();
+        let before = self.counters().await?;
+        let (a, b) = tokio::join!(
+            send_serial(http, self.vllm, name, &serial),
+            send_serial(http, self.sim, name, &serial)
+        );
+        let (uv, us) = (a?, b?);
+        let after = self.counters().await?;
+        f.serial_queries = (after.0.0 - before.0.0, after.1.0 - before.1.0);
+        f.serial_hits = (after.0.1 - before.0.1, after.1.1 - before.1.1);
+        f.prompt_tokens_equal = uv.iter().zip(&us).all(|(a, b)| a.0 == b.0);
+        for (i, (v, s)) in uv.iter().zip(&us).enumerate() {
+            f.serial_cached_tokens_vllm += v.1;
+            f.serial_cached_tokens_sim += s.1;
+            if v == s {
+                f.serial_cached_agree += 1;
+            } else if f.serial_first_cached_difference.is_none() {
+                f.serial_first_cached_difference = Some(format!(
+                    "request {i} ({}): vLLM (prompt, cached) {v:?}, sim {s:?}",
+                    serial[i].label
+                ));
+            }
+        }
+        f.serial_cached_tokens_equal = f.serial_cached_agree == serial.len();
+        let serial_log = (
+            settled_events(self.sub_vllm).await?,
+            settled_events(self.sub_sim).await?,
+        );
+        let ev = (
+            canonical(&serial_log.0, SHAPE.block_size).context("vLLM's events")?,
+            canonical(&serial_log.1, SHAPE.block_size).context("the simulator's events")?,
+        );
+        f.serial_events_vllm = ev.0.len();
+        f.serial_events_sim = ev.1.len();
+        f.serial_evictions_vllm =
+            ev.0.iter()
+                .filter(|e| matches!(e, BlockEvent::Removed(_)))
+                .count();
+        f.serial_events_equal = ev.0 == ev.1;
+        if !f.serial_events_equal {
+            f.serial_first_event_difference = Some(first_event_difference(&ev.0, &ev.1));
+        }
+        Ok(serial_log)
+    }
+
+    /// Concurrent: both engines get the same trace at once (the simulator costs no CPU to
+    /// speak of), the gauges sampled on both until both are done. `serial_log` is what the
+    /// serial trace published, so only the events after it count.
+    async fn concurrent(
+        &mut self,
+        f: &mut Fidelity,
+        serial_log: &(Vec<Value>, Vec<Value>),
+    ) -> Result<()> {
+        let (http, name, vllm, sim) = (self.http, self.name, self.vllm, self.sim);
+        let trace = concurrent_trace();
+        f.concurrent_requests = trace.len();
+        let before = self.counters().await?;
+        let (done_v, done_s) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let sampler_v = tokio::spawn(sample_gauges(http.clone(), vllm.to_owned(), done_v.clone()));
+        let sampler_s = tokio::spawn(sample_gauges(http.clone(), sim.to_owned(), done_s.clone()));
+        // Each side's gauges are sampled while its own trace runs.
+        let (a, b) = tokio::join!(
+            async {
+                let r = send_concurrent(http, vllm, name, &trace).await;
+                done_v.store(true, Ordering::SeqCst);
+                r
+            },
+            async {
+                let r = send_concurrent(http, sim, name, &trace).await;
+                done_s.store(true, Ordering::SeqCst);
+                r
+            }
+        );
+        let (gv, gs) = (sampler_v.await?, sampler_s.await?);
+        let ((uv, tv), (us, ts)) = (a?, b?);
+        let after = self.counters().await?;
+        f.concurrent_cached_agree = uv.iter().zip(&us).filter(|(a, b)| a == b).count();
+        let ev = (
+            canonical_from(&serial_log.0, &settled_events(self.sub_vllm).await?)
+                .context("vLLM's concurrent events")?,
+            canonical_from(&serial_log.1, &settled_events(self.sub_sim).await?)
+                .context("the simulator's concurrent events")?,
+        );
+        let count = |v: &[BlockEvent], stored: bool| {
+            v.iter()
+                .filter(|e| matches!(e, BlockEvent::Stored(_)) == stored)
+                .count()
+        };
+        f.concurrent_stored = (count(&ev.0, true), count(&ev.1, true));
+        f.concurrent_evicted = (count(&ev.0, false), count(&ev.1, false));
+        f.concurrent_stored_common = stored_common(&ev.0, &ev.1);
+        f.concurrent_seconds = (tv, ts);
+        f.gauges_vllm = gv;
+        f.gauges_sim = gs;
+        f.prompt_tokens_equal &= uv.iter().zip(&us).all(|(a, b)| a.0 == b.0);
+        let rate = |u: &[Usage]| {
+            let (p, c) = u.iter().fold((0, 0), |acc, x| (acc.0 + x.0, acc.1 + x.1));
+            c as f64 / p.max(1) as f64
+        };
+        f.hit_rate_vllm = rate(&uv);
+        f.hit_rate_sim = rate(&us);
+        f.preemptions_vllm = after.0.2 - before.0.2;
+        f.preemptions_sim = after.1.2 - before.1.2;
+        f.concurrent_queries = (after.0.0 - before.0.0, after.1.0 - before.1.0);
+        f.concurrent_hits = (after.0.1 - before.0.1, after.1.1 - before.1.1);
+        Ok(())
+    }
+}
+
+/// Where two block-event sequences first part, with a few events of each around it.
+fn first_event_difference(vllm: &[BlockEvent], sim: &[BlockEvent]) -> String {
+    let i = vllm
+        .iter()
+        .zip(sim)
+        .position(|(a, b)| a != b)
+        .unwrap_or(vllm.len().min(sim.len()));
+    let window = |v: &[BlockEvent]| -> String {
+        v.iter()
+            .skip(i.saturating_sub(2))
+            .take(6)
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    format!(
+        "at block event {i} of {}/{}: vLLM … {} …; sim … {} …",
+        vllm.len(),
+        sim.len(),
+        window(vllm),
+        window(sim)
+    )
+}
+
+/// Blocks both engines stored, counted with multiplicity.
+fn stored_common(vllm: &[BlockEvent], sim: &[BlockEvent]) -> usize {
     let mut theirs: HashMap<u64, usize> = HashMap::new();
-    for e in &ev.1 {
+    for e in sim {
         if let BlockEvent::Stored(h) = e {
             *theirs.entry(*h).or_default() += 1;
         }
     }
-    for e in &ev.0 {
+    let mut common = 0;
+    for e in vllm {
         if let BlockEvent::Stored(h) = e
             && let Some(n) = theirs.get_mut(h)
             && *n > 0
         {
             *n -= 1;
-            f.concurrent_stored_common += 1;
+            common += 1;
         }
     }
-    f.concurrent_seconds = (tv, ts);
-    f.gauges_vllm = gv;
-    f.gauges_sim = gs;
-    f.prompt_tokens_equal &= uv.iter().zip(&us).all(|(a, b)| a.0 == b.0);
-    let rate = |u: &[Usage]| {
-        let (p, c) = u.iter().fold((0, 0), |acc, x| (acc.0 + x.0, acc.1 + x.1));
-        c as f64 / p.max(1) as f64
-    };
-    f.hit_rate_vllm = rate(&uv);
-    f.hit_rate_sim = rate(&us);
-    f.preemptions_vllm = after.0.2 - before.0.2;
-    f.preemptions_sim = after.1.2 - before.1.2;
-    f.concurrent_queries = (after.0.0 - before.0.0, after.1.0 - before.1.0);
-    f.concurrent_hits = (after.0.1 - before.0.1, after.1.1 - before.1.1);
-    Ok(f)
+    common
 }
 
 /// The simulated pod: the differential's shape, the model's tokenizer files, vLLM 0.32's

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use super::{Engine, ModelRun, Options, Sight, debug_pods, engine_exposition, post};
+use super::{
+    Engine, ModelRun, Options, Sight, debug_pods, engine_exposition, get_json, post, run_script,
+};
 
 /// The adapters' rank (also `--max-lora-rank`).
 pub(super) const RANK: u32 = 8;
@@ -36,24 +38,19 @@ pub(super) async fn load(
     for (seed, adapter) in [&a, &b].into_iter().enumerate() {
         let dir = opts.work.join("models").join(adapter);
         if !dir.join("adapter_config.json").exists() {
-            let out = std::process::Command::new(&opts.python)
-                .arg(opts.scripts.join("make_tiny_lora.py"))
-                .arg(model_dir)
-                .arg(&dir)
-                .args([
-                    "--rank",
-                    &RANK.to_string(),
-                    "--seed",
-                    &(seed + 1).to_string(),
-                ])
-                .output()
-                .context("running make_tiny_lora.py")?;
-            if !out.status.success() {
-                bail!(
-                    "make_tiny_lora.py failed: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
+            run_script(
+                "make_tiny_lora.py",
+                std::process::Command::new(&opts.python)
+                    .arg(opts.scripts.join("make_tiny_lora.py"))
+                    .arg(model_dir)
+                    .arg(&dir)
+                    .args([
+                        "--rank",
+                        &RANK.to_string(),
+                        "--seed",
+                        &(seed + 1).to_string(),
+                    ]),
+            )?;
         }
         dirs.push(dir);
     }
@@ -83,13 +80,7 @@ pub(super) async fn load(
 
 /// The adapters an engine lists in `/v1/models` (cards with a parent), sorted.
 async fn engine_adapters(http: &reqwest::Client, engine: &str) -> Result<Vec<String>> {
-    let bytes = http
-        .get(format!("{engine}/v1/models"))
-        .send()
-        .await?
-        .bytes()
-        .await?;
-    let v: Value = serde_json::from_slice(&bytes)?;
+    let v = get_json(http, &format!("{engine}/v1/models")).await?;
     let mut out: Vec<String> = v["data"]
         .as_array()
         .context("no data")?

@@ -230,18 +230,13 @@ fn make_model(opts: &Options, name: &str, tokenizer: &Path) -> Result<PathBuf> {
         return Ok(dir);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let out = std::process::Command::new(&opts.python)
-        .arg(opts.scripts.join("make_tiny_model.py"))
-        .arg(tokenizer)
-        .arg(&dir)
-        .output()
-        .context("running make_tiny_model.py")?;
-    if !out.status.success() {
-        bail!(
-            "make_tiny_model.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_script(
+        "make_tiny_model.py",
+        std::process::Command::new(&opts.python)
+            .arg(opts.scripts.join("make_tiny_model.py"))
+            .arg(tokenizer)
+            .arg(&dir),
+    )?;
     std::fs::write(&stamp, digest)?;
     Ok(dir)
 }
@@ -445,6 +440,159 @@ impl Subscriber {
     }
 }
 
+/// The router's three listeners.
+struct RouterPorts {
+    http: u16,
+    quic: u16,
+    admin: u16,
+}
+
+/// The router under test, its config's weights neutral for base-model requests.
+fn spawn_router(
+    opts: &Options,
+    certs: &Certs,
+    logs: &Path,
+    name: &str,
+    lora: bool,
+    ports: &RouterPorts,
+) -> Result<Proc> {
+    let (http_port, quic_port, admin_port) = (ports.http, ports.quic, ports.admin);
+    let config = opts.work.join("router.yaml");
+    // Weights are neutral for base-model requests (every pod scores the same).
+    let weights = if lora {
+        format!(
+            "scheduler:\n  weights:\n    loraAffinity: {}\n",
+            lora::AFFINITY_WEIGHT
+        )
+    } else {
+        "{}\n".to_owned()
+    };
+    std::fs::write(&config, weights)?;
+    let mut args = vec![
+        "--listen".into(),
+        format!("127.0.0.1:{http_port}"),
+        "--quic-listen".into(),
+        format!("127.0.0.1:{quic_port}"),
+        "--config".into(),
+        config.display().to_string(),
+        "--router-id".into(),
+        "real-vllm".into(),
+        "--admin-listen".into(),
+        format!("127.0.0.1:{admin_port}"),
+        // The checks read each pick from the answer.
+        "--decision-header".into(),
+    ];
+    args.extend(certs.leaf_flags("router")?);
+    Proc::spawn(
+        &format!("router-{name}"),
+        &opts.router,
+        &args,
+        &[("RUST_LOG", "info".into())],
+        logs,
+    )
+}
+
+/// Both engines started, and answering `/health`.
+async fn start_engines(
+    opts: &Options,
+    name: &str,
+    model_dir: &Path,
+    logs: &Path,
+    http: &reqwest::Client,
+    lora: bool,
+) -> Result<Vec<Engine>> {
+    let mut engines = Vec::new();
+    for index in 0..2 {
+        let mut e = Engine::new(index)?;
+        e.start(
+            opts,
+            name,
+            model_dir,
+            logs,
+            &ROUTED,
+            lora.then_some(lora::RANK),
+        )?;
+        engines.push(e);
+    }
+    let t = Instant::now();
+    for e in &mut engines {
+        e.wait_healthy(http).await?;
+    }
+    println!(
+        "real-vllm: {name}: both engines answer /health after {:.0} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(engines)
+}
+
+/// An independent subscriber (vLLM's own structs) on each engine's KV events.
+async fn start_subscribers(opts: &Options, engines: &[Engine]) -> Result<Vec<Subscriber>> {
+    // Each subscriber imports vLLM (tens of seconds): the two start side by side.
+    let endpoints: Vec<(String, String)> = engines
+        .iter()
+        .map(|e| {
+            (
+                format!("tcp://127.0.0.1:{}", e.kv_port),
+                format!("tcp://127.0.0.1:{}", e.replay_port),
+            )
+        })
+        .collect();
+    let (a, b) = tokio::join!(
+        Subscriber::start(opts, &endpoints[0].0, &endpoints[0].1),
+        Subscriber::start(opts, &endpoints[1].0, &endpoints[1].1)
+    );
+    Ok(vec![a?, b?])
+}
+
+/// A sidecar per engine, connected to the router's QUIC port; each with its `/ready` URL base.
+fn spawn_sidecars(
+    opts: &Options,
+    certs: &Certs,
+    logs: &Path,
+    name: &str,
+    model_dir: &Path,
+    engines: &[Engine],
+    quic_port: u16,
+) -> Result<Vec<(Proc, String)>> {
+    let mut sidecars = Vec::new();
+    for e in engines {
+        let listen = free_tcp_port()?;
+        let pod = format!("{name}-{}", e.index);
+        let mut args: Vec<String> = vec![
+            "--pod-name".into(),
+            pod.clone(),
+            "--pod-namespace".into(),
+            "real-vllm".into(),
+            "--vllm-url".into(),
+            e.url(),
+            "--advertise-url".into(),
+            e.url(),
+            "--kv-events-endpoint".into(),
+            format!("tcp://127.0.0.1:{}", e.kv_port),
+            "--kv-events-replay-endpoint".into(),
+            format!("tcp://127.0.0.1:{}", e.replay_port),
+            "--listen".into(),
+            format!("127.0.0.1:{listen}"),
+            "--router".into(),
+            format!("127.0.0.1:{quic_port}"),
+            "--tokenizer-dir".into(),
+            model_dir.display().to_string(),
+            "--max-num-seqs".into(),
+            "16".into(),
+        ];
+        args.extend(certs.leaf_flags(&pod)?);
+        let p = Proc::spawn(
+            &format!("sidecar-{pod}"),
+            &opts.sidecar,
+            &args,
+            &[("RUST_LOG", "info".into())],
+            logs,
+        )?;
+        sidecars.push((p, format!("http://127.0.0.1:{listen}")));
+    }
+    Ok(sidecars)
+}
+
 /// A running model: engines, sidecars, router, subscribers, and the checks so far.
 struct ModelRun<'a> {
     opts: &'a Options,
@@ -473,117 +621,19 @@ impl<'a> ModelRun<'a> {
         http: &reqwest::Client,
         lora: bool,
     ) -> Result<ModelRun<'a>> {
-        let (http_port, quic_port, admin_port) =
-            (free_tcp_port()?, free_udp_port()?, free_tcp_port()?);
-        let config = opts.work.join("router.yaml");
-        // Weights are neutral for base-model requests (every pod scores the same).
-        let weights = if lora {
-            format!(
-                "scheduler:\n  weights:\n    loraAffinity: {}\n",
-                lora::AFFINITY_WEIGHT
-            )
-        } else {
-            "{}\n".to_owned()
+        let ports = RouterPorts {
+            http: free_tcp_port()?,
+            quic: free_udp_port()?,
+            admin: free_tcp_port()?,
         };
-        std::fs::write(&config, weights)?;
-        let mut args = vec![
-            "--listen".into(),
-            format!("127.0.0.1:{http_port}"),
-            "--quic-listen".into(),
-            format!("127.0.0.1:{quic_port}"),
-            "--config".into(),
-            config.display().to_string(),
-            "--router-id".into(),
-            "real-vllm".into(),
-            "--admin-listen".into(),
-            format!("127.0.0.1:{admin_port}"),
-            // The checks read each pick from the answer.
-            "--decision-header".into(),
-        ];
-        args.extend(certs.leaf_flags("router")?);
-        let router = Proc::spawn(
-            &format!("router-{name}"),
-            &opts.router,
-            &args,
-            &[("RUST_LOG", "info".into())],
-            logs,
-        )?;
-        let mut engines = Vec::new();
-        for index in 0..2 {
-            let mut e = Engine::new(index)?;
-            e.start(
-                opts,
-                name,
-                model_dir,
-                logs,
-                &ROUTED,
-                lora.then_some(lora::RANK),
-            )?;
-            engines.push(e);
-        }
-        let t = Instant::now();
-        for e in &mut engines {
-            e.wait_healthy(http).await?;
-        }
-        println!(
-            "real-vllm: {name}: both engines answer /health after {:.0} s",
-            t.elapsed().as_secs_f64()
-        );
+        let router = spawn_router(opts, certs, logs, name, lora, &ports)?;
+        let engines = start_engines(opts, name, model_dir, logs, http, lora).await?;
         // Loaded at run time, before the sidecars read the engines' facts.
         if lora {
             lora::load(opts, http, name, model_dir, &engines).await?;
         }
-        // Each subscriber imports vLLM (tens of seconds): the two start side by side.
-        let endpoints: Vec<(String, String)> = engines
-            .iter()
-            .map(|e| {
-                (
-                    format!("tcp://127.0.0.1:{}", e.kv_port),
-                    format!("tcp://127.0.0.1:{}", e.replay_port),
-                )
-            })
-            .collect();
-        let (a, b) = tokio::join!(
-            Subscriber::start(opts, &endpoints[0].0, &endpoints[0].1),
-            Subscriber::start(opts, &endpoints[1].0, &endpoints[1].1)
-        );
-        let subscribers = vec![a?, b?];
-        let mut sidecars = Vec::new();
-        for e in &engines {
-            let listen = free_tcp_port()?;
-            let pod = format!("{name}-{}", e.index);
-            let mut args: Vec<String> = vec![
-                "--pod-name".into(),
-                pod.clone(),
-                "--pod-namespace".into(),
-                "real-vllm".into(),
-                "--vllm-url".into(),
-                e.url(),
-                "--advertise-url".into(),
-                e.url(),
-                "--kv-events-endpoint".into(),
-                format!("tcp://127.0.0.1:{}", e.kv_port),
-                "--kv-events-replay-endpoint".into(),
-                format!("tcp://127.0.0.1:{}", e.replay_port),
-                "--listen".into(),
-                format!("127.0.0.1:{listen}"),
-                "--router".into(),
-                format!("127.0.0.1:{quic_port}"),
-                "--tokenizer-dir".into(),
-                model_dir.display().to_string(),
-                "--max-num-seqs".into(),
-                "16".into(),
-            ];
-            args.extend(certs.leaf_flags(&pod)?);
-            let p = Proc::spawn(
-                &format!("sidecar-{pod}"),
-                &opts.sidecar,
-                &args,
-                &[("RUST_LOG", "info".into())],
-                logs,
-            )?;
-            sidecars.push((p, format!("http://127.0.0.1:{listen}")));
-        }
+        let subscribers = start_subscribers(opts, &engines).await?;
+        let sidecars = spawn_sidecars(opts, certs, logs, name, model_dir, &engines, ports.quic)?;
         Ok(ModelRun {
             opts,
             name: name.to_owned(),
@@ -593,8 +643,8 @@ impl<'a> ModelRun<'a> {
             sidecars,
             subscribers,
             router,
-            router_url: format!("http://127.0.0.1:{http_port}"),
-            admin_url: format!("http://127.0.0.1:{admin_port}"),
+            router_url: format!("http://127.0.0.1:{}", ports.http),
+            admin_url: format!("http://127.0.0.1:{}", ports.admin),
             checks: Vec::new(),
             lora,
         })
@@ -616,6 +666,23 @@ impl<'a> ModelRun<'a> {
     }
 
     async fn checks(&mut self, http: &reqwest::Client, restart: bool) -> Result<()> {
+        self.check_warmup(http).await?;
+        self.check_pods(http).await?;
+        self.check_tokenizer(http).await?;
+        self.check_sight(http).await?;
+        self.check_resident(http).await?;
+        if self.lora {
+            self.lora_checks(http).await?;
+        }
+        self.check_bypass(http).await?;
+        if restart {
+            self.check_restart(http).await?;
+        }
+        self.check_metrics_found(http).await
+    }
+
+    /// The engines served the warm-up before the sidecars turned Ready.
+    async fn check_warmup(&mut self, http: &reqwest::Client) -> Result<()> {
         // Warm-up before Ready: when a sidecar's /ready first answers 200, its engine has
         // already served the warm-up requests.
         let mut served = Vec::new();
@@ -649,7 +716,11 @@ impl<'a> ModelRun<'a> {
             format!("requests the engines had served when /ready turned 200: {served:?}"),
         );
 
-        // Both pods routable, with the engine's facts.
+        Ok(())
+    }
+
+    /// Both pods are routable, with their engines' facts.
+    async fn check_pods(&mut self, http: &reqwest::Client) -> Result<()> {
         let pods = wait_pods(http, &self.admin_url, 2).await;
         self.check(
             "both pods Ready",
@@ -685,6 +756,11 @@ impl<'a> ModelRun<'a> {
         }
         self.check("engine facts", facts_ok, facts.join("; "));
 
+        Ok(())
+    }
+
+    /// The router trusts the model's tokenizer, and tokenizes as the engine does.
+    async fn check_tokenizer(&mut self, http: &reqwest::Client) -> Result<()> {
         // The tokenizer check agrees with the engine.
         let verdict = wait_verdict(http, &self.admin_url, &self.name).await;
         let v = verdict
@@ -708,7 +784,11 @@ impl<'a> ModelRun<'a> {
             ),
         );
 
-        // Sight.
+        Ok(())
+    }
+
+    /// Sight on a fresh cache, and a shared prefix kept on one pod.
+    async fn check_sight(&mut self, http: &reqwest::Client) -> Result<()> {
         let sight = self.sight(http, 0).await?;
         self.check("Sight (predicted = cached)", sight.ok(), sight.detail());
         self.check(
@@ -720,6 +800,11 @@ impl<'a> ModelRun<'a> {
             ),
         );
 
+        Ok(())
+    }
+
+    /// Resident blocks agree between each sidecar and an independent subscriber.
+    async fn check_resident(&mut self, http: &reqwest::Client) -> Result<()> {
         // Resident blocks: sidecar vs the independent subscriber, once both are quiet.
         let mut figures = Vec::new();
         let mut equal = true;
@@ -732,10 +817,11 @@ impl<'a> ModelRun<'a> {
         }
         self.check("resident blocks", equal, figures.join("; "));
 
-        if self.lora {
-            self.lora_checks(http).await?;
-        }
+        Ok(())
+    }
 
+    /// Load sent straight to an engine is seen and routed around.
+    async fn check_bypass(&mut self, http: &reqwest::Client) -> Result<()> {
         // Bypassing load: generations sent straight to engine 1.
         let b = self.bypass(http).await?;
         self.check(
@@ -757,25 +843,31 @@ impl<'a> ModelRun<'a> {
             ),
         );
 
+        Ok(())
+    }
+
+    /// An engine restarted with an empty cache is noticed.
+    async fn check_restart(&mut self, http: &reqwest::Client) -> Result<()> {
         // Restart: engine 1 killed and started again on its ports, its cache gone. The same
         // traffic again: a view that still had engine 1's old blocks would predict hits there.
-        if restart {
-            let t = Instant::now();
-            let back = self.restart_engine(http, 1).await;
-            self.check(
-                "engine restart noticed",
-                back.is_ok(),
-                format!(
-                    "{} (routable again after {:.0} s)",
-                    back.as_ref().map_or_else(|e| e.to_string(), |s| s.clone()),
-                    t.elapsed().as_secs_f64()
-                ),
-            );
-            let sight = self.sight(http, 0).await?;
-            self.check("Sight after the restart", sight.ok(), sight.detail());
-        }
+        let t = Instant::now();
+        let back = self.restart_engine(http, 1).await;
+        self.check(
+            "engine restart noticed",
+            back.is_ok(),
+            format!(
+                "{} (routable again after {:.0} s)",
+                back.as_ref().map_or_else(|e| e.to_string(), |s| s.clone()),
+                t.elapsed().as_secs_f64()
+            ),
+        );
+        let sight = self.sight(http, 0).await?;
+        self.check("Sight after the restart", sight.ok(), sight.detail());
+        Ok(())
+    }
 
-        // Every metric the sidecar reads is exported.
+    /// Every vLLM metric the sidecar reads is exported.
+    async fn check_metrics_found(&mut self, http: &reqwest::Client) -> Result<()> {
         let mut missing = Vec::new();
         for (_, url) in &self.sidecars {
             let text = http
@@ -1191,14 +1283,23 @@ async fn post(http: &reqwest::Client, url: &str, body: &Value) -> Result<(Value,
     Ok((serde_json::from_slice(&bytes)?, decision))
 }
 
+/// A Python helper script run to its end; its standard error in the error when it fails.
+fn run_script(name: &str, cmd: &mut std::process::Command) -> Result<()> {
+    let out = cmd.output().with_context(|| format!("running {name}"))?;
+    if !out.status.success() {
+        bail!("{name} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// `GET url` read as JSON, whatever its status.
+async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
+    let bytes = http.get(url).send().await?.bytes().await?;
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
 async fn debug_pods(http: &reqwest::Client, router: &str) -> Result<Vec<Value>> {
-    let bytes = http
-        .get(format!("{router}/debug/pods"))
-        .send()
-        .await?
-        .bytes()
-        .await?;
-    let v: Value = serde_json::from_slice(&bytes)?;
+    let v = get_json(http, &format!("{router}/debug/pods")).await?;
     Ok(v["pods"].as_array().cloned().unwrap_or_default())
 }
 
@@ -1224,13 +1325,7 @@ async fn wait_pods(http: &reqwest::Client, router: &str, n: usize) -> Result<Vec
 async fn wait_verdict(http: &reqwest::Client, router: &str, model: &str) -> Result<Value> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let bytes = http
-            .get(format!("{router}/debug/pods"))
-            .send()
-            .await?
-            .bytes()
-            .await?;
-        let v: Value = serde_json::from_slice(&bytes)?;
+        let v = get_json(http, &format!("{router}/debug/pods")).await?;
         let t = &v["tokenizers"][model];
         if !t.is_null() && t["verdict"] != "unchecked" {
             return Ok(t.clone());

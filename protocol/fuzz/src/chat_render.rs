@@ -13,10 +13,8 @@ use std::sync::OnceLock;
 
 use kvsight_tokenizer::{ChatMessage, ChatRequest, MessageContent, ModelTokenizer};
 use serde_json::Value;
-use tokenizers::models::TrainerWrapper;
-use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::AddedToken;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, Tokenizer};
 
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + \
     message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}\
@@ -41,22 +39,18 @@ const PARTS: &str = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %
 /// A byte-level BPE (the GPT-2 shape, so `encode` takes its fast path) trained on a few lines,
 /// with the chat tokens as special tokens.
 fn tokenizer_json() -> String {
-    let mut tokenizer = Tokenizer::new(BPE::default());
-    tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
-    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-        .vocab_size(400)
-        .show_progress(false)
-        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .build()
-        .into();
     let corpus = [
         "You are a helpful assistant. What is the capital of France?",
         "The capital of France is Paris. 12 + 30 = 42; héllo wörld — ünïcode 日本語 🙂",
         "def main():\n    print(\"hello, world\")\n\n\treturn 0",
     ];
-    tokenizer
-        .train(&mut trainer, corpus.iter().map(|s| s.to_string()))
-        .expect("train");
+    let mut tokenizer = kvsight_tokenizer::testing::byte_level_bpe(
+        ByteLevel::default().add_prefix_space(false),
+        None,
+        400,
+        None,
+        corpus.iter().map(|s| s.to_string()),
+    );
     tokenizer
         .add_special_tokens(
             [

@@ -15,6 +15,8 @@ use kvsight_router::config::RouterConfig;
 use kvsight_router::pods::ConnId;
 use tokio_util::sync::CancellationToken;
 
+pub mod quic;
+
 pub const MODEL: &str = messages::MODEL;
 
 pub fn hello(name: &str, url: &str, labels: &[(&str, &str)]) -> Hello {
@@ -35,6 +37,13 @@ pub fn hello(name: &str, url: &str, labels: &[(&str, &str)]) -> Hello {
         lora_adapters: vec!["sql-lora".into()],
         ..h
     }
+}
+
+/// A pod's `Hello` (at `http://127.0.0.1:9`) that asks for a load report every 50 ms.
+pub fn fast_hello(name: &str) -> Hello {
+    let mut h = hello(name, "http://127.0.0.1:9", &[]);
+    h.load_interval_ms = 50;
+    h
 }
 
 pub fn load(phase: Phase, running: u32, waiting: u32) -> Load {
@@ -69,9 +78,14 @@ pub fn add_pod(
     labels: &[(&str, &str)],
     running: u32,
 ) -> (String, ConnId) {
+    add_hello(state, hello(name, url, labels), Phase::Ready, running)
+}
+
+/// Registers the pod `hello` describes, in `phase` with `running` requests.
+pub fn add_hello(state: &State, hello: Hello, phase: Phase, running: u32) -> (String, ConnId) {
     let mut reg = state.registry();
-    let (key, conn) = reg.register(hello(name, url, labels), Instant::now());
-    reg.apply_load(&key, conn, load(Phase::Ready, running, 0), Instant::now())
+    let (key, conn) = reg.register(hello, Instant::now());
+    reg.apply_load(&key, conn, load(phase, running, 0), Instant::now())
         .unwrap();
     (key, conn)
 }
@@ -116,4 +130,70 @@ pub fn rand_suffix() -> u64 {
         .unwrap()
         .as_nanos() as u64;
     t ^ N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `yaml` as the router's config; the default for an empty string.
+pub fn config_or_default(yaml: &str) -> RouterConfig {
+    if yaml.is_empty() {
+        RouterConfig::default()
+    } else {
+        RouterConfig::from_yaml(yaml).unwrap()
+    }
+}
+
+/// The router's real HTTP server on `127.0.0.1:0`, stopped on drop.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub state: Arc<State>,
+    pub _stop: tokio_util::sync::DropGuard,
+}
+
+/// Serves `st`'s API with the router's own server (limits, timeouts, drain) on a fresh
+/// loopback port.
+pub async fn serve_router(st: Arc<State>) -> Running {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(kvsight_router::server::serve(
+        listener,
+        kvsight_router::app(st.clone()),
+        st.clone(),
+        stop.clone(),
+    ));
+    Running {
+        addr,
+        state: st,
+        _stop: stop.drop_guard(),
+    }
+}
+
+/// A sample of the router's metrics (`name{labels}` exactly as rendered), 0 when absent.
+pub fn metric(st: &State, series: &str) -> f64 {
+    let text = st.metrics.render(&st.registry(), &[], Instant::now());
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// Waits, at most `within` (in 10 ms steps), until `cond` holds.
+pub async fn until_within(what: &str, within: std::time::Duration, mut cond: impl FnMut() -> bool) {
+    let end = Instant::now() + within;
+    while !cond() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// The project's own tokenizer files, or `None` (the test says "skipped") when they cannot be
+/// built here.
+pub fn own_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
+    kvsight_harness::or_skip(test, kvsight_sim::own_tokenizer::ensure_dir())
+        .map(|dir| kvsight_process::tokenizer_dir::read(&dir).unwrap())
+}
+
+/// The project's Llama-2-shaped tokenizer files (sentencepiece-style: transformers 5 rebuilds
+/// it), or `None` (the test says "skipped") when they cannot be built here.
+pub fn llama2_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::TokenizerFiles> {
+    kvsight_harness::or_skip(test, kvsight_sim::llama2_tokenizer::ensure_dir())
+        .map(|dir| kvsight_process::tokenizer_dir::read(&dir).unwrap())
 }

@@ -116,30 +116,15 @@ fn write_stored_map(out: &mut Vec<u8>, e: &BlockStored) -> Result<(), EncodeErro
         m.key("extra_keys")?;
         write_extra_keys(m.out, keys)?;
     }
-    if let Some(v) = e.group_idx {
-        m.key("group_idx")?;
-        write_uint(m.out, u64::from(v))?;
-    }
-    if let Some(v) = &e.kv_cache_spec_kind {
-        m.key("kv_cache_spec_kind")?;
-        write_str(m.out, v)?;
-    }
-    if let Some(v) = e.kv_cache_spec_sliding_window {
-        m.key("kv_cache_spec_sliding_window")?;
-        write_uint(m.out, u64::from(v))?;
-    }
-    if let Some(v) = &e.locality {
-        m.key("locality")?;
-        write_str(m.out, v)?;
-    }
-    if let Some(v) = &e.ownership {
-        m.key("ownership")?;
-        write_str(m.out, v)?;
-    }
-    if let Some(v) = &e.session_id {
-        m.key("session_id")?;
-        write_str(m.out, v)?;
-    }
+    m.omitted_or_uint("group_idx", e.group_idx.map(u64::from))?;
+    m.omitted_or_str("kv_cache_spec_kind", e.kv_cache_spec_kind.as_deref())?;
+    m.omitted_or_uint(
+        "kv_cache_spec_sliding_window",
+        e.kv_cache_spec_sliding_window.map(u64::from),
+    )?;
+    m.omitted_or_str("locality", e.locality.as_deref())?;
+    m.omitted_or_str("ownership", e.ownership.as_deref())?;
+    m.omitted_or_str("session_id", e.session_id.as_deref())?;
     if let Some(lists) = &e.lookahead_token_ids {
         m.key("lookahead_token_ids")?;
         write_array_len(m.out, "lookahead_token_ids", lists.len())?;
@@ -181,18 +166,9 @@ fn write_removed_map(out: &mut Vec<u8>, e: &BlockRemoved) -> Result<(), EncodeEr
     write_hashes(m.out, &e.block_hashes)?;
     m.key("medium")?;
     write_opt(m.out, e.medium.as_deref(), write_str)?;
-    if let Some(v) = e.group_idx {
-        m.key("group_idx")?;
-        write_uint(m.out, u64::from(v))?;
-    }
-    if let Some(v) = &e.locality {
-        m.key("locality")?;
-        write_str(m.out, v)?;
-    }
-    if let Some(v) = &e.ownership {
-        m.key("ownership")?;
-        write_str(m.out, v)?;
-    }
+    m.omitted_or_uint("group_idx", e.group_idx.map(u64::from))?;
+    m.omitted_or_str("locality", e.locality.as_deref())?;
+    m.omitted_or_str("ownership", e.ownership.as_deref())?;
     m.finish();
     Ok(())
 }
@@ -240,6 +216,20 @@ impl<'a> MapWriter<'a> {
         self.entries += 1;
         mp::write_str(self.out, name)?;
         Ok(())
+    }
+
+    /// `name: v`, or nothing for `None` (msgspec's omit_defaults on a `= None` field).
+    fn omitted_or_uint(&mut self, name: &str, v: Option<u64>) -> Result<(), EncodeError> {
+        let Some(v) = v else { return Ok(()) };
+        self.key(name)?;
+        write_uint(self.out, v)
+    }
+
+    /// `name: v`, or nothing for `None`, as [`MapWriter::omitted_or_uint`].
+    fn omitted_or_str(&mut self, name: &str, v: Option<&str>) -> Result<(), EncodeError> {
+        let Some(v) = v else { return Ok(()) };
+        self.key(name)?;
+        write_str(self.out, v)
     }
 
     fn finish(self) {

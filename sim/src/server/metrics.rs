@@ -133,6 +133,15 @@ impl Metrics {
     /// The exposition text, as `GET /metrics` returns it.
     pub(crate) fn render(&self) -> String {
         let mut out = String::with_capacity(16 * 1024);
+        self.render_load(&mut out);
+        self.render_success(&mut out);
+        self.render_latencies(&mut out);
+        self.render_info(&mut out);
+        out
+    }
+
+    /// The queue and KV gauges and the token and prefix-cache counters.
+    fn render_load(&self, out: &mut String) {
         let base = format!("engine=\"0\",model_name=\"{}\"", escape(&self.model_name));
         let s = &self.stats;
         let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
@@ -140,19 +149,19 @@ impl Metrics {
             let _ = writeln!(out, "{name}{{{base}}} {}", fmt(v));
         };
         gauge(
-            &mut out,
+            out,
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
             s.running as f64,
         );
         gauge(
-            &mut out,
+            out,
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
             s.waiting as f64,
         );
         gauge(
-            &mut out,
+            out,
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
             s.kv_cache_usage,
@@ -185,13 +194,17 @@ impl Metrics {
             ),
         ];
         for (name, help, v) in counters {
-            header(&mut out, &format!("{name}_total"), help, "counter");
+            header(out, &format!("{name}_total"), help, "counter");
             let _ = writeln!(out, "{name}_total{{{base}}} {}", fmt(v as f64));
-            header(&mut out, &format!("{name}_created"), help, "gauge");
+            header(out, &format!("{name}_created"), help, "gauge");
             let _ = writeln!(out, "{name}_created{{{base}}} {}", fmt(self.created));
         }
+    }
+
+    /// Requests finished, by reason.
+    fn render_success(&self, out: &mut String) {
         let help = "Count of successfully processed requests.";
-        header(&mut out, "vllm:request_success_total", help, "counter");
+        header(out, "vllm:request_success_total", help, "counter");
         for (reason, n) in FINISH_REASONS.iter().zip(self.success) {
             let _ = writeln!(
                 out,
@@ -200,7 +213,7 @@ impl Metrics {
                 fmt(n as f64)
             );
         }
-        header(&mut out, "vllm:request_success_created", help, "gauge");
+        header(out, "vllm:request_success_created", help, "gauge");
         for reason in FINISH_REASONS {
             let _ = writeln!(
                 out,
@@ -209,26 +222,34 @@ impl Metrics {
                 fmt(self.created)
             );
         }
+    }
+
+    /// The time-to-first-token, end-to-end and prefill-computed histograms.
+    fn render_latencies(&self, out: &mut String) {
         self.histogram(
-            &mut out,
+            out,
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             &self.ttft,
         );
         self.histogram(
-            &mut out,
+            out,
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             &self.e2e,
         );
         self.histogram(
-            &mut out,
+            out,
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             &self.prefill_computed,
         );
+    }
+
+    /// The cache configuration and, with LoRA, the adapters running and waiting.
+    fn render_info(&self, out: &mut String) {
         header(
-            &mut out,
+            out,
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             "gauge",
@@ -246,7 +267,7 @@ impl Metrics {
         );
         if let Some(max_lora) = self.lora {
             header(
-                &mut out,
+                out,
                 "vllm:lora_requests_info",
                 "Running stats on lora requests.",
                 "gauge",
@@ -259,7 +280,6 @@ impl Metrics {
                 fmt(super::driver::wall_clock())
             );
         }
-        out
     }
 
     fn histogram(&self, out: &mut String, name: &str, help: &str, h: &Histogram) {
