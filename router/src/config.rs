@@ -48,6 +48,9 @@ pub struct RouterConfig {
     /// Local tokenizer folders per model name (a `tokenizer.json`, usually with a
     /// `tokenizer_config.json`); models not listed get their tokenizer from a sidecar.
     pub tokenizers: BTreeMap<String, PathBuf>,
+    /// Priorities, fair shares between tenants and admission by predicted wait
+    /// ([`crate::flow`]); off by default.
+    pub flow_control: crate::flow::FlowControlConfig,
 }
 
 /// A set of pods serving some models, with an optional context window and fallback.
@@ -442,6 +445,7 @@ impl RouterConfig {
                 return Err(invalid(field, format!("must be {range}, got {v}")));
             }
         }
+        self.flow_control.validate()?;
         Ok(())
     }
 

@@ -42,6 +42,17 @@ pub enum ApiError {
     Upstream { pod: String, message: String },
     #[error("{0}")]
     NotFound(String),
+    /// Flow control answered at once instead of letting the request wait ([`crate::flow`]).
+    #[error("{message}")]
+    Shed {
+        reason: &'static str,
+        retry_after_s: u64,
+        message: String,
+    },
+    /// Flow control's gate: no pod can take the request within its wait budget now. The
+    /// request waits in the queue; a client sees this only as a [`ApiError::Shed`].
+    #[error("every pod is predicted to make the request wait {wait_s:.3} s, over its budget")]
+    OverBudget { wait_s: f64 },
 }
 
 /// Seconds a client should wait before retrying when no pod is ready: about one report interval.
@@ -63,6 +74,7 @@ impl ApiError {
             | ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ApiError::Shed { .. } | ApiError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -103,6 +115,7 @@ pub fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> ser
         404 => "NotFoundError",
         408 => "RequestTimeoutError",
         413 => "RequestEntityTooLarge",
+        429 => "RateLimitError",
         502 => "BadGatewayError",
         503 => "ServiceUnavailableError",
         504 => "GatewayTimeoutError",
@@ -131,6 +144,17 @@ impl IntoResponse for ApiError {
         ) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+        }
+        match self {
+            ApiError::Shed { retry_after_s, .. } => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            ApiError::OverBudget { .. } => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            }
+            _ => {}
         }
         resp
     }

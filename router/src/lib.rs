@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod error;
+pub mod flow;
 pub mod homes;
 pub mod http;
 pub mod metrics;

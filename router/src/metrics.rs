@@ -71,6 +71,8 @@ pub struct Metrics {
     unrouted: Family<Labels, Gauge>,
     report_age: Family<Labels, Gauge<f64, AtomicU64>>,
     hit_rate: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Flow control's queue, admissions and sheds ([`crate::flow`]).
+    pub flow: crate::flow::FlowMetrics,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -117,8 +119,10 @@ impl Metrics {
             unrouted: Family::default(),
             report_age: Family::default(),
             hit_rate: Family::default(),
+            flow: crate::flow::FlowMetrics::new(),
             prom: PromRegistry::default(),
         };
+        m.flow.register(&mut prom);
         // prometheus-client appends `_total` to counters itself.
         prom.register(
             "kvsight_router_requests",

@@ -148,12 +148,16 @@ pub enum MatchUse {
 }
 
 /// Why no pod was picked.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PickError {
     #[error("no ready pod serves model {0:?}")]
     NoReadyPod(String),
     #[error("the prompt ({prompt_tokens} tokens) does not fit the context window of any ready pod")]
     TooLong { prompt_tokens: u32 },
+    /// [`Scheduler::pick_within`]: every pod that could take the request is predicted to make it
+    /// wait longer than the budget before its prefill starts. Nothing was recorded.
+    #[error("every pod is predicted to make the request wait {wait_s:.3} s, over its budget")]
+    OverBudget { wait_s: f64 },
 }
 
 /// The explanation of a pick.
@@ -273,6 +277,23 @@ impl Scheduler {
         self.pick_ranked_by(reg, req, hashes, now, Self::rank)
     }
 
+    /// [`Self::pick_prepared`] as flow control's admission ([`crate::flow`]): the pick is made
+    /// and recorded as usual only if some pod that competes for the request (full pods left
+    /// out) is predicted to start its prefill within `wait_budget_s` seconds — its predicted
+    /// time to first token less the request's own prefill, which no choice of pod shortens.
+    /// Otherwise [`PickError::OverBudget`], with nothing recorded. Which pod wins is decided
+    /// exactly as [`Self::pick_prepared`] decides it.
+    pub fn pick_within<'r>(
+        &self,
+        reg: &mut Registry,
+        req: &PickRequest<'r>,
+        hashes: &mut PromptHashes<'r>,
+        now: Instant,
+        wait_budget_s: f64,
+    ) -> Result<Decision, PickError> {
+        self.pick_gated(reg, req, hashes, now, Self::rank, Some(wait_budget_s))
+    }
+
     /// [`Self::pick_prepared`] with the ranking of the open candidates given: the unit tests swap
     /// in the plain one (every match computed, then sorted) as the reference.
     fn pick_ranked_by<'r>(
@@ -282,6 +303,19 @@ impl Scheduler {
         m: &mut PromptHashes<'r>,
         now: Instant,
         rank: RankFn,
+    ) -> Result<Decision, PickError> {
+        self.pick_gated(reg, req, m, now, rank, None)
+    }
+
+    /// The pick itself; `wait_budget_s` is [`Self::pick_within`]'s gate.
+    fn pick_gated<'r>(
+        &self,
+        reg: &mut Registry,
+        req: &PickRequest<'r>,
+        m: &mut PromptHashes<'r>,
+        now: Instant,
+        rank: RankFn,
+        wait_budget_s: Option<f64>,
     ) -> Result<Decision, PickError> {
         let seed = Self::seed(reg, req);
         m.keep_only_for(seed, req.tokens);
@@ -442,6 +476,23 @@ impl Scheduler {
                 }
                 let cutoff = saturation::saturated_cutoff(&ctx, &open);
                 open.retain(|c| saturation::predicted_ttft(&ctx, c) <= cutoff);
+            }
+        }
+        if let Some(budget) = wait_budget_s {
+            // Flow control's gate: the soonest start among the pods that compete, before any
+            // state changes. Resolving every match here leaves the ranking's result as it is
+            // (the search computes exactly what matching every pod gives).
+            let mut soonest = f64::INFINITY;
+            for c in open.iter_mut() {
+                m.resolve(c, req, now);
+                if saturation::pressure(&ctx, c) != Pressure::Full {
+                    let wait =
+                        saturation::predicted_ttft(&ctx, c) - saturation::own_prefill_s(&ctx, c);
+                    soonest = soonest.min(wait.max(0.0));
+                }
+            }
+            if soonest > budget {
+                return Err(PickError::OverBudget { wait_s: soonest });
             }
         }
         // A new prefix is placed where it will have room to stay: see `scorers::affinity`.
