@@ -26,7 +26,7 @@ use kvsight_protocol::openai::optional_bool;
 use crate::config::PoolConfig;
 use crate::error::{ApiError, error_body};
 use crate::flow;
-use crate::scheduler::{Decision, PickError, PickRequest, PromptHashes, Scheduler};
+use crate::scheduler::{Decision, Gate, PickError, PickRequest, PromptHashes, Scheduler};
 use crate::sight::UsageTap;
 use crate::state::{Live, State};
 use crate::tokenize::{self, Prompt};
@@ -585,9 +585,9 @@ async fn admit<'a>(
     }
     let (prepared, pool) = (req.clone(), attempt.pool.map(|p| p.name.clone()));
     // Run when the request leaves the queue, in the config of that moment.
-    let try_pick: flow::TryPick = Box::new(move |state, live, budget| {
+    let try_pick: flow::TryPick = Box::new(move |state, live, gate| {
         let pool = pool.as_deref().and_then(|n| live.config.pool(n));
-        let placed = pick(state, live, &prepared, &Attempt::first(pool), Some(budget))?;
+        let placed = pick(state, live, &prepared, &Attempt::first(pool), Some(gate))?;
         Ok(flow::Admitted {
             decision: placed.decision,
             pool: placed.pool.map(|p| p.name.clone()),
@@ -611,13 +611,13 @@ async fn admit<'a>(
 
 /// Picks in the attempt's pool; a prompt too long for it goes to the pool's fallback, or —
 /// without one — to a pod anyway, so the client gets vLLM's own 400 text. With a wait budget
-/// (flow control), [`ApiError::OverBudget`] when no pod can take the request within it.
+/// (flow control's gate), [`ApiError::OverBudget`] when no pod can take the request within it.
 fn pick<'a>(
     state: &State,
     live: &'a Live,
     prepared: &Prepared,
     attempt: &Attempt<'a>,
-    wait_budget_s: Option<f64>,
+    gate: Option<Gate>,
 ) -> Result<Placed<'a>, ApiError> {
     let mut pool = attempt.pool;
     let mut hopped = false;
@@ -630,7 +630,7 @@ fn pick<'a>(
             cache_salt: prepared.cache_salt.as_deref(),
             exclude: &attempt.exclude,
         };
-        match run_pick(state, live, &req, wait_budget_s) {
+        match run_pick(state, live, &req, gate) {
             Ok(decision) => return Ok(Placed { decision, pool }),
             Err(PickError::NoReadyPod(m)) => return Err(ApiError::NoReadyPod(m)),
             Err(PickError::OverBudget { wait_s }) => return Err(ApiError::OverBudget { wait_s }),
@@ -651,7 +651,7 @@ fn pick<'a>(
                             tokens: None,
                             ..req
                         };
-                        return run_pick(state, live, &req, wait_budget_s)
+                        return run_pick(state, live, &req, gate)
                             .map(|decision| Placed { decision, pool })
                             .map_err(|e| match e {
                                 PickError::OverBudget { wait_s } => ApiError::OverBudget { wait_s },
@@ -668,7 +668,7 @@ fn run_pick(
     state: &State,
     live: &Live,
     req: &PickRequest<'_>,
-    wait_budget_s: Option<f64>,
+    gate: Option<Gate>,
 ) -> Result<Decision, PickError> {
     let t = Instant::now();
     // Hashing happens between two short holds of the registry lock, not under it: the pods'
@@ -677,13 +677,13 @@ fn run_pick(
     let mut hashes = PromptHashes::new(&plan, req.tokens);
     let result = {
         let mut reg = state.registry();
-        match wait_budget_s {
+        match gate {
             None => live
                 .scheduler
                 .pick_prepared(&mut reg, req, &mut hashes, Instant::now()),
-            Some(budget) => {
+            Some(gate) => {
                 live.scheduler
-                    .pick_within(&mut reg, req, &mut hashes, Instant::now(), budget)
+                    .pick_within(&mut reg, req, &mut hashes, Instant::now(), gate)
             }
         }
     };

@@ -78,6 +78,15 @@ impl Setup {
             .unwrap();
     }
 
+    /// A request of this router has waited `ago` for its first token on the pod (load that the
+    /// counts do not show): the pod is free by its counts, and predicted to make a new request
+    /// wait that long.
+    fn stall(&self, ago: Duration) -> Instant {
+        let at = Instant::now() - ago;
+        self.st.registry().record_awaiting(&self.key, at);
+        at
+    }
+
     async fn wait_queued(&self, n: usize) {
         let mut w = self.st.flow.watch_queued();
         tokio::time::timeout(WAIT, w.wait_for(|q| *q == n))
@@ -261,15 +270,15 @@ async fn a_reload_applies_to_queued_requests() {
     let path = dir.join("router.yaml");
     std::fs::write(&path, GATED).unwrap();
     let s = Setup::new(RouterConfig::load(&path).unwrap()).await;
-    s.report(3);
+    s.stall(Duration::from_secs(5));
     let done = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..3 {
         tasks.push(s.send(&format!("r{i}"), &[], 4, &done));
         s.wait_queued(i + 1).await;
     }
-    // A wider budget: the pod's three waiting requests are within it, so all three leave,
-    // without any capacity freeing.
+    // A wider budget: the pod's five seconds are within it, so all three leave, without any
+    // capacity freeing.
     let wide = GATED.replace("ttftBudgetSeconds: 0,", "ttftBudgetSeconds: 30,");
     std::fs::write(&path, &wide).unwrap();
     let mut last = Some(GATED.as_bytes().to_vec());

@@ -6,9 +6,11 @@
 //!
 //! 1. [`classify`] gives it a class (priority, budgets) and a tenant.
 //! 2. While nothing waits for its model, it is picked at once through the scheduler's gate
-//!    ([`crate::scheduler::Scheduler::pick_within`]): a pod takes it if one is predicted to
-//!    start its prefill within the class's budget. Which pod wins is the scheduler's usual
-//!    choice.
+//!    ([`crate::scheduler::Scheduler::pick_within`]): only pods that are free and predicted to
+//!    start its prefill within the class's budget compete, scored as usual. A tenant within its
+//!    fair share of the model's recent traffic may also use the KV headroom that
+//!    `kvThreshold` keeps, so one tenant's burst, held at the threshold, does not hold back
+//!    the others.
 //! 3. Otherwise it joins this replica's [`queue`] — unless the queue is full (a lower-priority
 //!    entry is displaced if there is one), or its predicted wait there (the tokens ahead of it at
 //!    the rate the queue has been draining) is over its class's `maxWaitSeconds` or past its
@@ -40,7 +42,7 @@ pub use config::{ClassConfig, FlowControlConfig, RuleConfig};
 pub use metrics::FlowMetrics;
 
 use crate::error::ApiError;
-use crate::scheduler::Decision;
+use crate::scheduler::{Decision, Gate};
 use crate::state::{Live, State};
 use queue::{Join, Queue};
 
@@ -61,10 +63,10 @@ pub struct Admitted {
     pub picked_at: Instant,
 }
 
-/// Picks for a request under a wait budget in seconds: `Err(ApiError::OverBudget)` when no pod
-/// can take it within the budget (nothing recorded), any other error when it can never be
+/// Picks for a request through the scheduler's [`Gate`]: `Err(ApiError::OverBudget)` when no
+/// pod can take it within the gate (nothing recorded), any other error when it can never be
 /// picked. Owned, since the queue may run it from another task.
-pub type TryPick = Box<dyn Fn(&State, &Live, f64) -> Result<Admitted, ApiError> + Send + Sync>;
+pub type TryPick = Box<dyn Fn(&State, &Live, Gate) -> Result<Admitted, ApiError> + Send + Sync>;
 
 /// What flow control needs to know of a request.
 #[derive(Debug, Clone, Copy)]
@@ -170,9 +172,12 @@ impl FlowControl {
         });
     }
 
-    /// Works off what can leave the queue now: per model, the entry that goes next is picked
-    /// under its class's budget until one is over it (strict priority: nothing behind it goes
-    /// before it). With flow control turned off by a reload, everything leaves.
+    /// Works off what can leave the queue now, per model: the entry next in order is picked
+    /// under its class's budget; when no pod can take it, a tenant of the same band that is
+    /// within its fair share may still go into the KV headroom the next one may not use (so a
+    /// burst of one tenant cannot hold the others back), and then the lane waits — nothing of
+    /// a lower priority goes before it. With flow control turned off by a reload, everything
+    /// leaves.
     fn pass(&self, state: &State, q: &mut Queue<Waiter>) {
         if q.is_empty() {
             return;
@@ -183,39 +188,72 @@ impl FlowControl {
             // Each turn removes an entry or stops: bounded by the lane's length.
             for _ in 0..q.lane_len(&lane) {
                 let Some(head) = q.peek(&lane) else { break };
-                let id = head.id;
-                let budget = if cfg.enabled {
-                    budget_of(cfg, &head.payload.class)
-                } else {
-                    f64::INFINITY
-                };
-                let result = (head.payload.try_pick)(state, &live, budget);
-                if matches!(result, Err(ApiError::OverBudget { .. })) {
-                    break;
-                }
+                let mut tries = vec![(head.id, head.tenant.clone())];
+                tries.extend(q.band_heads(&lane));
                 let now = TokioInstant::now();
-                let entry = if result.is_ok() {
-                    q.dispatch(id, now)
-                } else {
-                    q.remove(id, now)
-                };
-                let Some(entry) = entry else { break };
-                let m = &state.metrics.flow;
-                m.left_queue(&entry.payload.class, &entry.tenant);
-                if result.is_ok() {
-                    m.admitted(&entry.payload.class, "queued");
-                    m.waited(
-                        &entry.payload.class,
-                        &entry.tenant,
-                        now.saturating_duration_since(entry.enqueued),
-                    );
+                let mut left = false;
+                for (i, (id, tenant)) in tries.into_iter().enumerate() {
+                    let headroom = q.within_share(&lane, &tenant, now);
+                    if i > 0 && !headroom {
+                        continue;
+                    }
+                    if self.try_leave(state, &live, cfg, q, id, headroom) {
+                        left = true;
+                        break;
+                    }
                 }
-                if let Err(Ok(a)) = entry.payload.tx.send(result) {
-                    // The client left between the pick and now: the pod never gets it.
-                    undo(state, &a);
+                if !left {
+                    break;
                 }
             }
         }
+    }
+
+    /// Tries to let entry `id` go; whether it left the queue (picked, or failed for good).
+    fn try_leave(
+        &self,
+        state: &State,
+        live: &Live,
+        cfg: &FlowControlConfig,
+        q: &mut Queue<Waiter>,
+        id: u64,
+        kv_headroom: bool,
+    ) -> bool {
+        let Some(entry) = q.get(id) else { return false };
+        let gate = Gate {
+            wait_budget_s: if cfg.enabled {
+                budget_of(cfg, &entry.payload.class)
+            } else {
+                f64::INFINITY
+            },
+            kv_headroom,
+        };
+        let result = (entry.payload.try_pick)(state, live, gate);
+        if matches!(result, Err(ApiError::OverBudget { .. })) {
+            return false;
+        }
+        let now = TokioInstant::now();
+        let entry = if result.is_ok() {
+            q.dispatch(id, now)
+        } else {
+            q.remove(id, now)
+        };
+        let Some(entry) = entry else { return false };
+        let m = &state.metrics.flow;
+        m.left_queue(&entry.payload.class, &entry.tenant);
+        if result.is_ok() {
+            m.admitted(&entry.payload.class, "queued");
+            m.waited(
+                &entry.payload.class,
+                &entry.tenant,
+                now.saturating_duration_since(entry.enqueued),
+            );
+        }
+        if let Err(Ok(a)) = entry.payload.tx.send(result) {
+            // The client left between the pick and now: the pod never gets it.
+            undo(state, &a);
+        }
+        true
     }
 }
 
@@ -345,7 +383,11 @@ pub async fn admit(
     let Classified { class, tenant } = classify(cfg, t.model, t.headers);
     let Some(class_cfg) = cfg.class(&class) else {
         // `classify` only returns configured classes.
-        return try_pick(state, live, f64::INFINITY);
+        let gate = Gate {
+            wait_budget_s: f64::INFINITY,
+            kv_headroom: true,
+        };
+        return try_pick(state, live, gate);
     };
     let budget = cfg.effective_budget(class_cfg);
     let cost =
@@ -354,18 +396,23 @@ pub async fn admit(
     let m = &state.metrics.flow;
     let (id, rx, expiry, wait_for) = {
         let mut q = state.flow.queue();
+        let now = TokioInstant::now();
         if q.lane_len(t.model) == 0 {
-            match try_pick(state, live, budget) {
+            let gate = Gate {
+                wait_budget_s: budget,
+                kv_headroom: q.within_share(t.model, &tenant, now),
+            };
+            match try_pick(state, live, gate) {
                 Err(ApiError::OverBudget { .. }) => {}
                 other => {
                     if other.is_ok() {
                         m.admitted(&class, "direct");
+                        q.note_served(t.model, &tenant, cost, now);
                     }
                     return other;
                 }
             }
         }
-        let now = TokioInstant::now();
         let max_wait = class_cfg.max_wait();
         let until_deadline = t.deadline.saturating_duration_since(now);
         let wait_for = max_wait.min(until_deadline);
@@ -504,7 +551,7 @@ flowControl:
     /// A pick that succeeds while `permits` lasts, each success taking one.
     fn try_pick(permits: &Arc<AtomicUsize>) -> TryPick {
         let permits = permits.clone();
-        Box::new(move |_, _, _| {
+        Box::new(move |_, _, _: Gate| {
             permits
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| p.checked_sub(1))
                 .map(|_| Admitted {

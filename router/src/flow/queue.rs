@@ -115,7 +115,42 @@ struct Lane<T> {
     bands: BTreeMap<Reverse<i32>, Band<T>>,
     len: usize,
     rate: DrainRate,
+    /// Tokens each tenant was let through recently (queued or not), decayed over
+    /// [`USAGE_DECAY`]: who is within a fair share of the lane.
+    usage: HashMap<String, Usage>,
 }
+
+impl<T> Lane<T> {
+    fn new() -> Self {
+        Lane {
+            bands: BTreeMap::new(),
+            len: 0,
+            rate: DrainRate::default(),
+            usage: HashMap::new(),
+        }
+    }
+}
+
+/// Decayed tokens of one tenant.
+#[derive(Debug, Clone, Copy)]
+struct Usage {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Usage {
+    fn at(&self, now: Instant) -> f64 {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens * (-dt / USAGE_DECAY.as_secs_f64()).exp()
+    }
+}
+
+/// The memory of who was served how much: a burst shows within a second or two, a tenant
+/// that stopped is forgotten within a few of these.
+const USAGE_DECAY: Duration = Duration::from_secs(5);
+
+/// Tenants remembered per lane; beyond it the least served are forgotten.
+const MAX_USAGE_TENANTS: usize = 4096;
 
 /// The queue of one router replica.
 #[derive(Debug)]
@@ -220,11 +255,7 @@ impl<T> Queue<T> {
     pub fn push(&mut self, j: Join<T>, now: Instant) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        let lane = self.lanes.entry(j.lane.clone()).or_insert_with(|| Lane {
-            bands: BTreeMap::new(),
-            len: 0,
-            rate: DrainRate::default(),
-        });
+        let lane = self.lanes.entry(j.lane.clone()).or_insert_with(Lane::new);
         lane.rate.advance(now, lane.len > 0);
         let band = lane
             .bands
@@ -275,6 +306,19 @@ impl<T> Queue<T> {
         id
     }
 
+    /// The entry `id`, while queued.
+    pub fn get(&self, id: u64) -> Option<&Entry<T>> {
+        let slot = self.slots.get(&id)?;
+        self.lanes
+            .get(&slot.lane)?
+            .bands
+            .get(&Reverse(slot.priority))?
+            .tenants
+            .get(&slot.tenant)?
+            .entries
+            .get(&slot.key)
+    }
+
     /// The entry of `lane` that goes next, if any.
     pub fn peek(&self, lane: &str) -> Option<&Entry<T>> {
         let band = self
@@ -311,6 +355,7 @@ impl<T> Queue<T> {
             t.counter += e.cost;
             lane.rate.tokens += e.cost as f64;
         }
+        let served = charge.then(|| (e.tenant.clone(), e.cost));
         if t.entries.is_empty() {
             band.tenants.remove(&slot.tenant);
         }
@@ -319,7 +364,77 @@ impl<T> Queue<T> {
         }
         lane.len -= 1;
         self.bytes -= e.bytes;
+        if let Some((tenant, cost)) = served {
+            self.note_served(&slot.lane, &tenant, cost, now);
+        }
         Some(e)
+    }
+
+    /// Counts `cost` tokens let through for `tenant` on `lane` (a queued entry leaving does
+    /// this itself; a request let through at once is told here).
+    pub fn note_served(&mut self, lane: &str, tenant: &str, cost: u64, now: Instant) {
+        let lane = self.lanes.entry(lane.to_owned()).or_insert_with(Lane::new);
+        let u = lane.usage.entry(tenant.to_owned()).or_insert(Usage {
+            tokens: 0.0,
+            at: now,
+        });
+        *u = Usage {
+            tokens: u.at(now) + cost as f64,
+            at: now,
+        };
+        if lane.usage.len() > MAX_USAGE_TENANTS {
+            let total: f64 = lane.usage.values().map(|u| u.at(now)).sum();
+            lane.usage.retain(|_, u| u.at(now) > total * 1e-4);
+        }
+    }
+
+    /// Whether `tenant` has been let through no more than an even share of what `lane` let
+    /// through recently, among the tenants it served (counting `tenant` itself).
+    pub fn within_share(&self, lane: &str, tenant: &str, now: Instant) -> bool {
+        let Some(l) = self.lanes.get(lane) else {
+            return true;
+        };
+        let values: Vec<(&String, f64)> = l.usage.iter().map(|(k, u)| (k, u.at(now))).collect();
+        let total: f64 = values.iter().map(|(_, v)| v).sum();
+        if total <= 0.0 {
+            return true;
+        }
+        let own = values
+            .iter()
+            .find(|(k, _)| k.as_str() == tenant)
+            .map_or(0.0, |(_, v)| *v);
+        let mut tenants = values.iter().filter(|(_, v)| *v > 0.01 * total).count();
+        if own <= 0.01 * total {
+            tenants += 1;
+        }
+        own <= total / tenants as f64
+    }
+
+    /// Besides the lane's next entry, the first entry of every other tenant waiting in the
+    /// same band, lowest counter first: who may go ahead when the next entry cannot.
+    pub fn band_heads(&self, lane: &str) -> Vec<(u64, String)> {
+        let Some(band) = self
+            .lanes
+            .get(lane)
+            .and_then(|l| l.bands.values().find(|b| !b.tenants.is_empty()))
+        else {
+            return Vec::new();
+        };
+        let next = band.next_tenant();
+        let mut heads: Vec<(u64, (Instant, u64), u64, String)> = band
+            .tenants
+            .iter()
+            .filter(|(name, _)| Some(name.as_str()) != next)
+            .filter_map(|(name, t)| {
+                let (k, e) = t.entries.iter().next()?;
+                Some((t.counter, *k, e.id, name.clone()))
+            })
+            .collect();
+        heads.sort();
+        heads
+            .into_iter()
+            .map(|(_, _, id, name)| (id, name))
+            .collect()
     }
 
     /// The entry to displace for an arrival of `priority` when the queue is full: in the lowest
@@ -336,11 +451,6 @@ impl<T> Queue<T> {
             .values()
             .max_by_key(|t| (t.counter + t.tokens, t.entries.len()))?;
         t.entries.values().next_back().map(|e| e.id)
-    }
-
-    /// Every entry's id and deadline (for the expiry of entries whose waiter is gone).
-    pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.slots.keys().copied()
     }
 }
 
@@ -484,6 +594,31 @@ mod tests {
         q.push(join("m", 3, "c", 10, now), now);
         assert_eq!(q.displaceable(5), Some(last));
         assert_eq!(q.displaceable(0), None, "nothing below the lowest band");
+    }
+
+    #[test]
+    fn a_burst_puts_its_tenant_over_its_share_and_the_others_within() {
+        let t0 = Instant::now();
+        let mut q: Queue<u32> = Queue::default();
+        for k in 0..20u64 {
+            let now = t0 + Duration::from_millis(100 * k);
+            q.note_served("m", "noisy", 1000, now);
+            if k % 4 == 0 {
+                for t in ["a", "b", "c"] {
+                    q.note_served("m", t, 1000, now);
+                }
+            }
+        }
+        let now = t0 + Duration::from_secs(2);
+        assert!(!q.within_share("m", "noisy", now));
+        for t in ["a", "b", "c", "newcomer"] {
+            assert!(q.within_share("m", t, now), "{t}");
+        }
+        assert!(q.within_share("other-lane", "noisy", now));
+        // A minute later the burst is forgotten as its tenant's share.
+        q.note_served("m", "a", 10, now + Duration::from_secs(60));
+        q.note_served("m", "noisy", 5, now + Duration::from_secs(60));
+        assert!(q.within_share("m", "noisy", now + Duration::from_secs(60)));
     }
 
     #[test]

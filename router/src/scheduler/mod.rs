@@ -147,6 +147,17 @@ pub enum MatchUse {
     Relative,
 }
 
+/// Flow control's admission gate for [`Scheduler::pick_within`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gate {
+    /// Seconds a pod may be predicted to make the request wait before its prefill starts; an
+    /// infinite budget is no gate at all.
+    pub wait_budget_s: f64,
+    /// The request may use the KV headroom `kvThreshold` keeps (flow control grants it to
+    /// tenants within their fair share, so a burst of one tenant cannot fill it).
+    pub kv_headroom: bool,
+}
+
 /// Why no pod was picked.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PickError {
@@ -154,8 +165,8 @@ pub enum PickError {
     NoReadyPod(String),
     #[error("the prompt ({prompt_tokens} tokens) does not fit the context window of any ready pod")]
     TooLong { prompt_tokens: u32 },
-    /// [`Scheduler::pick_within`]: every pod that could take the request is predicted to make it
-    /// wait longer than the budget before its prefill starts. Nothing was recorded.
+    /// [`Scheduler::pick_within`]: no pod can take the request within the budget (`wait_s` is
+    /// the shortest predicted wait among the pods that compete). Nothing was recorded.
     #[error("every pod is predicted to make the request wait {wait_s:.3} s, over its budget")]
     OverBudget { wait_s: f64 },
 }
@@ -277,21 +288,23 @@ impl Scheduler {
         self.pick_ranked_by(reg, req, hashes, now, Self::rank)
     }
 
-    /// [`Self::pick_prepared`] as flow control's admission ([`crate::flow`]): the pick is made
-    /// and recorded as usual only if some pod that competes for the request (full pods left
-    /// out) is predicted to start its prefill within `wait_budget_s` seconds — its predicted
-    /// time to first token less the request's own prefill, which no choice of pod shortens.
-    /// Otherwise [`PickError::OverBudget`], with nothing recorded. Which pod wins is decided
-    /// exactly as [`Self::pick_prepared`] decides it.
+    /// [`Self::pick_prepared`] as flow control's admission ([`crate::flow`]): only the pods
+    /// that can take the request now compete — free by the saturation rule (nothing waiting, a
+    /// sequence slot, KV use with the prompt within `kvThreshold`: the headroom running
+    /// requests need to grow without preemption) and predicted to start its prefill within
+    /// the gate's `wait_budget_s` seconds (the predicted time to first token less the
+    /// request's own prefill, which no choice of pod shortens); with `kv_headroom`, a pod whose
+    /// KV use the prompt takes past `kvThreshold` (but not past the whole cache) counts too. Among them the scorers decide as in
+    /// [`Self::pick_prepared`]; with none, [`PickError::OverBudget`] and nothing is recorded.
     pub fn pick_within<'r>(
         &self,
         reg: &mut Registry,
         req: &PickRequest<'r>,
         hashes: &mut PromptHashes<'r>,
         now: Instant,
-        wait_budget_s: f64,
+        gate: Gate,
     ) -> Result<Decision, PickError> {
-        self.pick_gated(reg, req, hashes, now, Self::rank, Some(wait_budget_s))
+        self.pick_gated(reg, req, hashes, now, Self::rank, Some(gate))
     }
 
     /// [`Self::pick_prepared`] with the ranking of the open candidates given: the unit tests swap
@@ -307,7 +320,7 @@ impl Scheduler {
         self.pick_gated(reg, req, m, now, rank, None)
     }
 
-    /// The pick itself; `wait_budget_s` is [`Self::pick_within`]'s gate.
+    /// The pick itself; `gate` is [`Self::pick_within`]'s.
     fn pick_gated<'r>(
         &self,
         reg: &mut Registry,
@@ -315,7 +328,7 @@ impl Scheduler {
         m: &mut PromptHashes<'r>,
         now: Instant,
         rank: RankFn,
-        wait_budget_s: Option<f64>,
+        gate: Option<Gate>,
     ) -> Result<Decision, PickError> {
         let seed = Self::seed(reg, req);
         m.keep_only_for(seed, req.tokens);
@@ -478,20 +491,31 @@ impl Scheduler {
                 open.retain(|c| saturation::predicted_ttft(&ctx, c) <= cutoff);
             }
         }
-        if let Some(budget) = wait_budget_s {
-            // Flow control's gate: the soonest start among the pods that compete, before any
-            // state changes. Resolving every match here leaves the ranking's result as it is
-            // (the search computes exactly what matching every pod gives).
+        // An infinite budget is no gate (flow control turned off with requests still queued).
+        if let Some(Gate {
+            wait_budget_s: budget,
+            kv_headroom,
+        }) = gate.filter(|g| g.wait_budget_s.is_finite())
+        {
+            // Flow control's gate: only pods that can start the request within the budget
+            // compete; with none, nothing is recorded and the request waits.
             let mut soonest = f64::INFINITY;
             for c in open.iter_mut() {
                 m.resolve(c, req, now);
-                if saturation::pressure(&ctx, c) != Pressure::Full {
-                    let wait =
-                        saturation::predicted_ttft(&ctx, c) - saturation::own_prefill_s(&ctx, c);
-                    soonest = soonest.min(wait.max(0.0));
-                }
             }
-            if soonest > budget {
+            open.retain(|c| {
+                let wait = (saturation::predicted_ttft(&ctx, c)
+                    - saturation::own_prefill_s(&ctx, c))
+                .max(0.0);
+                soonest = soonest.min(wait);
+                let room = match saturation::pressure(&ctx, c) {
+                    Pressure::Free => true,
+                    Pressure::Tight => kv_headroom,
+                    Pressure::Busy | Pressure::Full => false,
+                };
+                room && wait <= budget
+            });
+            if open.is_empty() {
                 return Err(PickError::OverBudget { wait_s: soonest });
             }
         }
