@@ -104,25 +104,25 @@ impl FlowMetrics {
         ]
     }
 
-    pub(super) fn joined_queue(&self, class: &str, tenant: &str) {
+    pub fn joined_queue(&self, class: &str, tenant: &str) {
         self.depth
             .get_or_create(&self.by_tenant(class, tenant))
             .inc();
     }
 
-    pub(super) fn left_queue(&self, class: &str, tenant: &str) {
+    pub fn left_queue(&self, class: &str, tenant: &str) {
         self.depth
             .get_or_create(&self.by_tenant(class, tenant))
             .dec();
     }
 
-    pub(super) fn waited(&self, class: &str, tenant: &str, d: Duration) {
+    pub fn waited(&self, class: &str, tenant: &str, d: Duration) {
         self.wait
             .get_or_create(&self.by_tenant(class, tenant))
             .observe(d.as_secs_f64());
     }
 
-    pub(super) fn shed(&self, class: &str, reason: &'static str) {
+    pub fn shed(&self, class: &str, reason: &'static str) {
         self.shed
             .get_or_create(&vec![
                 ("class", class.to_owned()),
@@ -131,7 +131,7 @@ impl FlowMetrics {
             .inc();
     }
 
-    pub(super) fn admitted(&self, class: &str, path: &'static str) {
+    pub fn admitted(&self, class: &str, path: &'static str) {
         self.admitted
             .get_or_create(&vec![
                 ("class", class.to_owned()),
@@ -140,7 +140,7 @@ impl FlowMetrics {
             .inc();
     }
 
-    pub(super) fn abandoned(&self, class: &str) {
+    pub fn abandoned(&self, class: &str) {
         self.abandoned
             .get_or_create(&vec![("class", class.to_owned())])
             .inc();
