@@ -60,6 +60,7 @@ impl Options {
     /// Whether `router` runs on `workload`.
     pub fn pairs(&self, router: RouterKind, workload: WorkloadKind) -> bool {
         router.is_headline()
+            || (router == RouterKind::KvsightFlow && WorkloadKind::FLOW.contains(&workload))
             || self
                 .variants_on
                 .as_ref()
@@ -158,6 +159,8 @@ impl UnderTest<'_> {
 impl<'o> Bench<'o> {
     fn prepare(opts: &'o Options) -> Result<Bench<'o>> {
         std::fs::create_dir_all(&opts.out)?;
+        // One run, one time scale: a second `set` (a library caller's second run) keeps it.
+        let _ = routers::BENCH_TIME_SCALE.set(opts.time_scale);
         let logs = opts.out.join("logs");
         let _ = std::fs::remove_dir_all(&logs);
         let http = reqwest::Client::builder()
@@ -488,7 +491,20 @@ impl<'o> Bench<'o> {
             added_latency_ms: added_ms,
             predicts: rk.predicts(),
             staleness_ms,
+            groups: &plan.requests.iter().map(|r| r.group).collect::<Vec<_>>(),
+            flow_control: rk.flow_control(),
         });
+        for (name, g) in &r.groups {
+            println!(
+                "bench:   group {name:<12} requests {:>4} shed {:>4} errors {:>3} ttft p50 {:>7} p90 {:>7} out tok/s {:.0}",
+                g.requests,
+                g.shed,
+                g.errors,
+                g.ttft_p50_s.map_or("–".into(), |v| format!("{v:.3}")),
+                g.ttft_p90_s.map_or("–".into(), |v| format!("{v:.3}")),
+                g.output_tokens_per_s,
+            );
+        }
         println!(
             "bench: {:<14} {:>5} req/s {:<24} hit {:>5} ttft p50 {:>7} p90 {:>7} p99 {:>7} load CoV {:>5} splits {:>4} errors {}{} [wall {:.1} s: setup {:.1}, load {:.1}]",
             w.kind.name(),
@@ -641,6 +657,8 @@ fn write_outcomes(
                 "key": r.key,
                 "sent_at_s": r.at.as_secs_f64(),
                 "replica": o.replica,
+                "group": r.group,
+                "status": o.status,
                 "prompt_tokens": r.prompt_tokens,
                 "ttft_s": o.ttft_s,
                 "e2e_s": o.e2e_s,
@@ -689,6 +707,8 @@ async fn added_latency(
                 body: bytes::Bytes::from(body.to_string()),
                 prompt_tokens: 0,
                 key: 0,
+                headers: Vec::new(),
+                group: None,
             };
             async move {
                 let o = client::run(
@@ -788,6 +808,8 @@ mod tests {
             body: bytes::Bytes::new(),
             prompt_tokens: 0,
             key,
+            headers: Vec::new(),
+            group: None,
         }
     }
 
