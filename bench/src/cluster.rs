@@ -56,8 +56,16 @@ impl Certs {
     /// Writes `<name>.pem` and `<name>-key.pem` (valid for loopback) and returns the three paths
     /// as flags.
     pub fn leaf_flags(&self, name: &str) -> Result<Vec<String>> {
-        self.ca
-            .write_leaves(&self.dir, &[(name, &["127.0.0.1", "localhost", name])])?;
+        // A sidecar's certificate grants it its pod name, in the namespaces the bench and
+        // real-vllm runs give their pods (routers check it; a router ignores these).
+        let grants = ["bench", "real-vllm"].map(|ns| kvsight_transport::pod_uri(ns, name));
+        self.ca.write_leaves(
+            &self.dir,
+            &[(
+                name,
+                &["127.0.0.1", "localhost", name, &grants[0], &grants[1]],
+            )],
+        )?;
         Ok(vec![
             "--tls-cert".into(),
             self.dir.join(format!("{name}.pem")).display().to_string(),

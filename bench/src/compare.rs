@@ -390,6 +390,12 @@ impl<'o> Bench<'o> {
             warmup: true,
             ..self.pods_config(w, quic)
         };
+        // The caches are reset before the router starts too: a sidecar forgets the placements
+        // it remembers for routers that connect later when its engine's cache is reset, and a
+        // fresh router must not learn the previous run's.
+        for p in pods {
+            p.reset_cache(http).await?;
+        }
         let router = self.start_router(rk, kvsight, workers, pods.len()).await?;
         // Added latency is probed once per router, before its first rate.
         let added_ms = if first {
@@ -407,10 +413,14 @@ impl<'o> Bench<'o> {
         }
         cluster::wait_idle(pods, http, Duration::from_secs(120)).await?;
         let before = counters(pods, http).await?;
-        let stale0 = if rk.predicts() {
-            staleness_buckets(http, &router.urls).await.ok()
-        } else {
-            None
+        // kvsight's metrics are on its replicas' admin listeners.
+        let admins: Option<Vec<String>> = router
+            .kvsight
+            .filter(|_| rk.predicts())
+            .map(|d| d.replicas.iter().map(|r| r.admin.clone()).collect());
+        let stale0 = match &admins {
+            Some(a) => staleness_buckets(http, a).await.ok(),
+            None => None,
         };
         let procs = router.procs();
         let cpu0: f64 = procs.iter().map(|p| p.cpu_seconds()).sum();
@@ -419,39 +429,12 @@ impl<'o> Bench<'o> {
         }
         let t0 = Instant::now();
         let setup_s = (t0 - run_start).as_secs_f64();
-        let span = plan.requests.last().map_or(Duration::ZERO, |r| r.at);
-        // mixed_faults: load that bypasses the router at 20 % of the arrivals, a cold pod
-        // joining at 30 %.
-        let faults = (w.kind == WorkloadKind::MixedFaults).then(|| {
-            let exec = tokio::spawn({
-                let (http, url) = (http.clone(), pods[0].url.clone());
-                let (prompt, output) = (cost.tokens(8000), cost.tokens(4000));
-                async move {
-                    tokio::time::sleep(span / 5).await;
-                    faults::exec_load(http, url, faults::EXEC_REQUESTS, prompt, output).await;
-                }
-            });
-            (exec, span * 3 / 10)
-        });
-        let client = client::run(http, &targets, &plan.requests, Duration::from_secs(600));
-        let (outcomes, cold) = match &faults {
-            None => (client.await, None),
-            Some((_, join_at)) => {
-                let join = async {
-                    tokio::time::sleep(*join_at).await;
-                    faults::ColdPod::join("pod-cold", &cold_cfg, rk, &router.urls, http).await
-                };
-                let (outcomes, cold) = tokio::join!(client, join);
-                (outcomes, Some(cold?))
-            }
-        };
+        let (outcomes, cold) = self
+            .send_load(w, rk, &plan, &targets, pods, &cold_cfg)
+            .await?;
         let wall_s = t0.elapsed().as_secs_f64();
         let cpu_s = procs.iter().map(|p| p.cpu_seconds()).sum::<f64>() - cpu0;
         let rss = procs.iter().map(|p| p.peak_rss_bytes()).max().unwrap_or(0);
-        // The bypassing load has done its job once the measured requests are done.
-        if let Some((exec, _)) = faults {
-            exec.abort();
-        }
         let mut delta: Vec<PodCounters> = counters(pods, http)
             .await?
             .iter()
@@ -462,12 +445,12 @@ impl<'o> Bench<'o> {
             delta.push(cold.pod.counters(http).await?);
             cold.leave(rk, &router.urls, http).await?;
         }
-        let staleness_ms = match stale0 {
-            Some(b0) => staleness_buckets(http, &router.urls)
+        let staleness_ms = match (stale0, &admins) {
+            (Some(b0), Some(a)) => staleness_buckets(http, a)
                 .await
                 .ok()
                 .and_then(|b1| staleness_quantiles(&b0, &b1)),
-            None => None,
+            _ => None,
         };
         let replicas = router.urls.len();
         router.stop().await;
@@ -494,44 +477,89 @@ impl<'o> Bench<'o> {
             groups: &plan.requests.iter().map(|r| r.group).collect::<Vec<_>>(),
             flow_control: rk.flow_control(),
         });
-        for (name, g) in &r.groups {
-            println!(
-                "bench:   group {name:<12} requests {:>4} shed {:>4} errors {:>3} ttft p50 {:>7} p90 {:>7} out tok/s {:.0}",
-                g.requests,
-                g.shed,
-                g.errors,
-                g.ttft_p50_s.map_or("–".into(), |v| format!("{v:.3}")),
-                g.ttft_p90_s.map_or("–".into(), |v| format!("{v:.3}")),
-                g.output_tokens_per_s,
-            );
-        }
-        println!(
-            "bench: {:<14} {:>5} req/s {:<24} hit {:>5} ttft p50 {:>7} p90 {:>7} p99 {:>7} load CoV {:>5} splits {:>4} errors {}{} [wall {:.1} s: setup {:.1}, load {:.1}]",
-            w.kind.name(),
-            rate,
-            rk.name(),
-            r.hit_rate.map_or("–".into(), |v| format!("{v:.2}")),
-            r.ttft_p50_s.map_or("–".into(), |v| format!("{v:.3}")),
-            r.ttft_p90_s.map_or("–".into(), |v| format!("{v:.3}")),
-            r.ttft_p99_s.map_or("–".into(), |v| format!("{v:.3}")),
-            r.load_cov
-                .requests
-                .map_or("–".into(), |v| format!("{v:.2}")),
-            r.split_placements.map_or("–".into(), |v| v.to_string()),
-            r.errors,
-            r.first_error
-                .as_deref()
-                .map_or(String::new(), |e| format!(" (first: {e})")),
-            run_start.elapsed().as_secs_f64(),
-            setup_s,
-            wall_s,
-        );
+        print_groups(&r);
+        print_run(&r, run_start.elapsed().as_secs_f64(), setup_s, wall_s);
         let ttfts_s = outcomes
             .iter()
             .filter_map(|o| o.ttft_s.map(|t| t / cost.time_scale))
             .collect();
         Ok(OneRun { result: r, ttfts_s })
     }
+}
+
+impl Bench<'_> {
+    /// Sends the plan's requests open loop to the router's replicas; on `mixed_faults` also
+    /// load that bypasses the router (20 % into the run, on the first pod) and a cold pod
+    /// joining (at 30 %), which is returned to be counted and removed.
+    async fn send_load(
+        &self,
+        w: &Workload,
+        rk: RouterKind,
+        plan: &workload::Plan,
+        targets: &Targets,
+        pods: &[Pod],
+        cold_cfg: &PodsConfig<'_>,
+    ) -> Result<(Vec<client::Outcome>, Option<faults::ColdPod>)> {
+        let (http, cost) = (&self.http, &self.cost);
+        let client = client::run(http, targets, &plan.requests, Duration::from_secs(600));
+        if w.kind != WorkloadKind::MixedFaults {
+            return Ok((client.await, None));
+        }
+        let span = plan.requests.last().map_or(Duration::ZERO, |r| r.at);
+        let exec = tokio::spawn({
+            let (http, url) = (http.clone(), pods[0].url.clone());
+            let (prompt, output) = (cost.tokens(8000), cost.tokens(4000));
+            async move {
+                tokio::time::sleep(span / 5).await;
+                faults::exec_load(http, url, faults::EXEC_REQUESTS, prompt, output).await;
+            }
+        });
+        let join = async {
+            tokio::time::sleep(span * 3 / 10).await;
+            faults::ColdPod::join("pod-cold", cold_cfg, rk, &targets.urls, http).await
+        };
+        let (outcomes, cold) = tokio::join!(client, join);
+        // The bypassing load has done its job once the measured requests are done.
+        exec.abort();
+        Ok((outcomes, Some(cold?)))
+    }
+}
+
+/// One line per group of a run's requests (workloads with groups).
+fn print_groups(r: &RunResult) {
+    for (name, g) in &r.groups {
+        println!(
+            "bench:   group {name:<12} requests {:>4} shed {:>4} errors {:>3} ttft p50 {:>7} p90 {:>7} out tok/s {:.0}",
+            g.requests,
+            g.shed,
+            g.errors,
+            g.ttft_p50_s.map_or("–".into(), |v| format!("{v:.3}")),
+            g.ttft_p90_s.map_or("–".into(), |v| format!("{v:.3}")),
+            g.output_tokens_per_s,
+        );
+    }
+}
+
+/// One line per run: the figures, and where its wall time went.
+fn print_run(r: &RunResult, total_s: f64, setup_s: f64, load_s: f64) {
+    println!(
+        "bench: {:<14} {:>5} req/s {:<24} hit {:>5} ttft p50 {:>7} p90 {:>7} p99 {:>7} load CoV {:>5} splits {:>4} errors {}{} [wall {total_s:.1} s: setup {setup_s:.1}, load {load_s:.1}]",
+        r.workload,
+        r.rate,
+        r.router,
+        r.hit_rate.map_or("–".into(), |v| format!("{v:.2}")),
+        r.ttft_p50_s.map_or("–".into(), |v| format!("{v:.3}")),
+        r.ttft_p90_s.map_or("–".into(), |v| format!("{v:.3}")),
+        r.ttft_p99_s.map_or("–".into(), |v| format!("{v:.3}")),
+        r.load_cov
+            .requests
+            .map_or("–".into(), |v| format!("{v:.2}")),
+        r.split_placements.map_or("–".into(), |v| v.to_string()),
+        r.errors,
+        r.first_error
+            .as_deref()
+            .map_or(String::new(), |e| format!(" (first: {e})")),
+    );
 }
 
 /// One run's figures and its TTFTs (simulated seconds, for the CDF chart).

@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod compare;
 pub mod cost;
 pub mod faults;
+pub mod fleet;
 pub mod procs;
 pub mod real_vllm;
 pub mod report;

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use kvsight_bench::client::Spread;
@@ -95,6 +96,15 @@ enum Cmd {
         /// Leave out the engine-restart check.
         #[arg(long)]
         no_restart: bool,
+        /// Leave out the differential (the simulator against vLLM).
+        #[arg(long)]
+        no_fidelity: bool,
+        /// Write the differential's figures as markdown here (e.g. docs/bench/sim-fidelity.md).
+        #[arg(long)]
+        fidelity_doc: Option<PathBuf>,
+        /// Run only the differential (and no routed checks).
+        #[arg(long)]
+        fidelity_only: bool,
     },
     /// The soak (what `cargo xtask soak` runs): streaming clients through router replicas to
     /// simulated pods while engines crash, pods leave and join and the config is reloaded;
@@ -119,6 +129,57 @@ enum Cmd {
         #[arg(long)]
         bin_dir: PathBuf,
     },
+    /// Fleet scale (what `cargo xtask fleet` runs): R kvsight-router processes fed by a swarm
+    /// of N emulated pods, for every N × R; writes fleet.json and fleet.md.
+    Fleet {
+        /// 200 pods into 2 routers for 20 s; fails when a figure is missing or anything erred.
+        #[arg(long)]
+        quick: bool,
+        /// Pod counts (default 100,300,1000; --quick: 200).
+        #[arg(long, value_delimiter = ',')]
+        pods: Vec<usize>,
+        /// Router replica counts (default 1,4,10; --quick: 2).
+        #[arg(long, value_delimiter = ',')]
+        routers: Vec<usize>,
+        #[command(flatten)]
+        swarm: SwarmShape,
+        /// Seconds of ingest before the window.
+        #[arg(long, default_value_t = 5.0)]
+        warmup_seconds: f64,
+        /// Seconds of the ingest window (default 30; --quick: 20).
+        #[arg(long)]
+        ingest_seconds: Option<f64>,
+        /// Requests of the low-load window (default 400; --quick: 100).
+        #[arg(long)]
+        requests: Option<usize>,
+        /// Bound on every pod becoming routable on every router.
+        #[arg(long, default_value_t = 300.0)]
+        connect_seconds: f64,
+        /// Output folder (fleet.json, fleet.md, fleet/ with certificates and logs).
+        #[arg(long)]
+        out: PathBuf,
+        /// Folder holding kvsight-router (a release build).
+        #[arg(long)]
+        bin_dir: PathBuf,
+    },
+    /// The sidecar swarm the fleet bench starts: N emulated pods publishing to every router
+    /// until SIGTERM.
+    Swarm {
+        /// Emulated pods.
+        #[arg(long)]
+        pods: usize,
+        /// A router's QUIC address (repeat).
+        #[arg(long = "router", required = true)]
+        routers: Vec<SocketAddr>,
+        /// The certificate folder the fleet bench issued.
+        #[arg(long)]
+        certs: PathBuf,
+        #[command(flatten)]
+        shape: SwarmShape,
+        /// Where `GET /stats` answers.
+        #[arg(long)]
+        control: SocketAddr,
+    },
     /// Prints the folders of the project's own tokenizer and its Llama-2-shaped one (training
     /// them on first use), one per line.
     TokenizerDirs,
@@ -131,6 +192,26 @@ enum Cmd {
         #[arg(long = "worker", required = true)]
         workers: Vec<String>,
     },
+}
+
+/// What each emulated pod holds and how fast it changes.
+#[derive(Debug, Clone, Copy, clap::Args)]
+struct SwarmShape {
+    /// KV blocks of each engine (the filter is sized for them).
+    #[arg(long, default_value_t = 125_000)]
+    gpu_blocks: u64,
+    /// Blocks resident in each engine.
+    #[arg(long, default_value_t = 100_000)]
+    resident_blocks: u64,
+    /// Blocks each engine stores per second (each evicting its oldest).
+    #[arg(long, default_value_t = 500.0)]
+    changes_per_s: f64,
+    /// Milliseconds between deltas (the sidecar's default).
+    #[arg(long, default_value_t = 50)]
+    publish_interval_ms: u64,
+    /// Milliseconds between load reports (the sidecar's default scrape interval).
+    #[arg(long, default_value_t = 100)]
+    load_interval_ms: u64,
 }
 
 fn main() -> std::process::ExitCode {
@@ -183,6 +264,83 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Cmd::Swarm {
+            pods,
+            routers,
+            certs,
+            shape,
+            control,
+        } => rt.block_on(kvsight_bench::fleet::swarm::run(
+            kvsight_bench::fleet::swarm::SwarmOptions {
+                pods,
+                routers,
+                certs,
+                gpu_blocks: shape.gpu_blocks,
+                resident_blocks: shape.resident_blocks,
+                changes_per_s: shape.changes_per_s,
+                publish_interval: Duration::from_millis(shape.publish_interval_ms),
+                load_interval: Duration::from_millis(shape.load_interval_ms),
+                control,
+            },
+        )),
+        Cmd::Fleet {
+            quick,
+            pods,
+            routers,
+            swarm,
+            warmup_seconds,
+            ingest_seconds,
+            requests,
+            connect_seconds,
+            out,
+            bin_dir,
+        } => {
+            let or = |v: Vec<usize>, quick_v: usize, full: &[usize]| match (v.is_empty(), quick) {
+                (false, _) => v,
+                (true, true) => vec![quick_v],
+                (true, false) => full.to_vec(),
+            };
+            let secs = |name: &str, v: f64| {
+                Duration::try_from_secs_f64(v)
+                    .map_err(|_| anyhow::anyhow!("--{name}: {v} is not a number of seconds"))
+            };
+            let command = std::iter::once("kvsight-bench".to_owned())
+                .chain(std::env::args().skip(1))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let opts = kvsight_bench::fleet::driver::Options {
+                pods: or(pods, 200, &[100, 300, 1000]),
+                routers: or(routers, 2, &[1, 4, 10]),
+                gpu_blocks: swarm.gpu_blocks,
+                resident_blocks: swarm.resident_blocks,
+                changes_per_s: swarm.changes_per_s,
+                publish_interval: Duration::from_millis(swarm.publish_interval_ms),
+                load_interval: Duration::from_millis(swarm.load_interval_ms),
+                warmup: secs("warmup-seconds", warmup_seconds)?,
+                ingest: secs(
+                    "ingest-seconds",
+                    ingest_seconds.unwrap_or(if quick { 20.0 } else { 30.0 }),
+                )?,
+                requests: requests.unwrap_or(if quick { 100 } else { 400 }),
+                connect_within: secs("connect-seconds", connect_seconds)?,
+                out: out.clone(),
+                router_bin: bin_dir.join("kvsight-router"),
+                bench_bin: std::env::current_exe()?,
+                command,
+            };
+            let rows = rt.block_on(kvsight_bench::fleet::driver::run(&opts))?;
+            println!("\n{}", kvsight_bench::fleet::driver::markdown(&opts, &rows));
+            println!(
+                "fleet: {} rows in {}",
+                rows.len(),
+                out.join("fleet.json").display()
+            );
+            let incomplete = kvsight_bench::fleet::driver::incomplete(&rows);
+            if quick && !incomplete.is_empty() {
+                anyhow::bail!("fleet --quick: {}", incomplete.join("; "));
+            }
+            Ok(())
+        }
         Cmd::TokenizerDirs => {
             println!("{}", kvsight_sim::own_tokenizer::ensure_dir()?.display());
             println!("{}", kvsight_sim::llama2_tokenizer::ensure_dir()?.display());
@@ -196,6 +354,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             models,
             vllm_version,
             no_restart,
+            no_fidelity,
+            fidelity_doc,
+            fidelity_only,
         } => {
             let mut parsed = Vec::new();
             for m in &models {
@@ -225,6 +386,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 models: parsed,
                 vllm_version,
                 restart: !no_restart,
+                fidelity: !no_fidelity,
+                fidelity_doc,
+                fidelity_only,
             };
             let checks = rt.block_on(kvsight_bench::real_vllm::run(&opts))?;
             let failed: Vec<_> = checks.iter().filter(|c| !c.ok).collect();
@@ -316,7 +480,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let incomplete: Vec<String> = outcome
                 .runs
                 .iter()
-                .filter(|r| r.hit_rate.is_none() || r.ttft_p90_s.is_none() || r.errors > 0)
+                .filter(|r| {
+                    r.hit_rate.is_none()
+                        || r.ttft_p90_s.is_none()
+                        || r.errors > 0
+                        || r.load_cov.requests.is_none()
+                        || (r.router.starts_with("kvsight") && r.split_placements.is_none())
+                        || r.router_replicas != usize::from(router_replicas)
+                })
                 .map(|r| {
                     format!(
                         "{} {} {}: {:?}",

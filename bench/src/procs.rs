@@ -207,8 +207,8 @@ pub fn tail(path: &Path, n: usize) -> String {
 /// A loopback TCP port free now, for a child that binds it later — for vLLM up to a minute
 /// later. Taken below the kernel's ephemeral range: a port the kernel hands to `bind(0)` is
 /// free only until the next `bind(0)` anywhere on the machine, and a starting vLLM makes many
-/// (ZMQ, torch). Measured in CI: a KV-event port from `bind(0)` was taken by the other engine
-/// before its own engine bound it ("Address already in use"). Ports are tried in turn from a
+/// (ZMQ, torch), so a KV-event port from `bind(0)` can be taken by the other engine before its
+/// own engine binds it ("Address already in use"). Ports are tried in turn from a
 /// per-process offset, so two calls never return the same port.
 pub fn free_tcp_port() -> Result<u16> {
     static NEXT: AtomicU32 = AtomicU32::new(0);

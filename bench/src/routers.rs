@@ -233,6 +233,8 @@ pub struct KvsightRouter {
     pub kind: Kind,
     pub proc: Proc,
     pub url: String,
+    /// The admin listener's base URL: `/metrics`, `/debug/pods`.
+    pub admin: String,
     pub quic: String,
     /// Its config file, watched: rewriting it reloads the router.
     pub config: PathBuf,
@@ -257,7 +259,7 @@ impl KvsightRouter {
         certs: &Certs,
         logs: &Path,
     ) -> Result<KvsightRouter> {
-        let (http, quic) = (free_tcp_port()?, free_udp_port()?);
+        let (http, quic, admin) = (free_tcp_port()?, free_udp_port()?, free_tcp_port()?);
         let config = certs.dir.join(format!("{name}.yaml"));
         // An experiment may replace the default variant's config.
         let text = match (kind, std::env::var("KVSIGHT_BENCH_CONFIG")) {
@@ -280,6 +282,10 @@ impl KvsightRouter {
             name.into(),
             "--grace-seconds".into(),
             "2".into(),
+            "--admin-listen".into(),
+            format!("127.0.0.1:{admin}"),
+            // The bench reads each pick from the answer.
+            "--decision-header".into(),
         ];
         if kind == Kind::KvsightApprox {
             args.push("--no-sidecar-tokenizers".into());
@@ -290,6 +296,7 @@ impl KvsightRouter {
             kind,
             proc,
             url: format!("http://127.0.0.1:{http}"),
+            admin: format!("http://127.0.0.1:{admin}"),
             quic: format!("127.0.0.1:{quic}"),
             config,
             program: bins.router.clone(),
@@ -334,7 +341,7 @@ impl KvsightRouter {
         let deadline = std::time::Instant::now() + within;
         loop {
             let body = http
-                .get(format!("{}/debug/pods", self.url))
+                .get(format!("{}/debug/pods", self.admin))
                 .send()
                 .await?
                 .bytes()

@@ -66,10 +66,7 @@ const KV_BLOCKS: u32 = 6_000;
 /// its end.
 const RSS_GROWTH_LIMIT: f64 = 0.10;
 /// Where the memory baseline is taken, as a share of the run. The growth of the first minutes
-/// levels off. Measured over 30 minutes (README): the routers grew 24 % from the warm-up to the
-/// end, but 0.8 and 1.6 % over the last twenty minutes; the sidecars -2.6 to +7.4 % (their
-/// ±1 MiB swings: heaptrack shows their live heap flat, so the steps are memory the allocator
-/// keeps, not live data). A leak grows on.
+/// levels off, while a leak grows on (the 30-minute run in docs/bench/README.md, "Soak").
 const MEMORY_FROM: f64 = 1.0 / 3.0;
 /// Shorter runs are still filling at [`MEMORY_FROM`]: their memory is reported, not judged.
 const MEMORY_MIN_MINUTES: f64 = 10.0;
@@ -384,7 +381,7 @@ async fn reload(routers: &[KvsightRouter], http: &reqwest::Client, variant: bool
 
 async fn metrics(r: &KvsightRouter, http: &reqwest::Client) -> Result<String> {
     Ok(http
-        .get(format!("{}/metrics", r.url))
+        .get(format!("{}/metrics", r.admin))
         .send()
         .await?
         .text()

@@ -215,6 +215,97 @@ pub struct TenantShape {
     pub output_tokens: Option<u32>,
 }
 
+/// Apps sending priority_mix's interactive requests.
+const PRIORITY_APPS: usize = 4;
+
+/// A streamed completion body.
+fn completion_body(tok: &ModelTokenizer, prompt: &str, max_tokens: u32, key: usize) -> Body {
+    Body {
+        path: "/v1/completions",
+        body: bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
+        prompt_tokens: completion_tokens(tok, prompt),
+        key: key as u32,
+        headers: Vec::new(),
+        group: None,
+    }
+}
+
+/// noisy_neighbor's bodies: multi_tenant's requests (system prompt, question, answer) for
+/// [`noisy::TENANTS`] tenants, each tenant's in order (the noisy one four times as many), keyed
+/// by tenant and naming it in a header; the plan draws the arrivals. Also the system prompts'
+/// tokens.
+fn noisy_bodies(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    per_tenant: usize,
+) -> (Vec<Body>, u64) {
+    let systems: Vec<String> = (0..noisy::TENANTS)
+        .map(|g| system_prompt(tok, rng, cost.tokens(6000), &format!("tenant {g}")))
+        .collect();
+    let mut bodies = Vec::new();
+    for (g, system) in systems.iter().enumerate() {
+        let n = if g == 0 { 4 * per_tenant } else { per_tenant };
+        for _ in 0..n {
+            let lead = format!("User of tenant {g} asks: {}\n", question(rng));
+            let q = text_of(tok, rng, cost.tokens(1200), &lead);
+            let mut b = completion_body(tok, &format!("{system}\n{q}"), cost.tokens(1000), g);
+            b.headers = vec![(TENANT_HEADER, format!("tenant-{g}"))];
+            bodies.push(b);
+        }
+    }
+    let shared = systems
+        .iter()
+        .map(|s| u64::from(completion_tokens(tok, s)))
+        .sum();
+    (bodies, shared)
+}
+
+/// priority_mix's bodies: half interactive ([`PRIORITY_APPS`] apps' 1,500-token system
+/// prompts, short questions and answers), half batch (2,000-token documents summarised at
+/// length), interleaved, each naming its class and tenant. Also the system prompts' tokens.
+fn priority_bodies(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    count: usize,
+) -> (Vec<Body>, u64) {
+    let systems: Vec<String> = (0..PRIORITY_APPS)
+        .map(|a| system_prompt(tok, rng, cost.tokens(6000), &format!("app {a}")))
+        .collect();
+    let mut bodies = Vec::with_capacity(count);
+    for n in 0..count {
+        let b = if rng.below(2) == 0 {
+            let a = rng.below(PRIORITY_APPS);
+            let lead = format!("A user of app {a} asks: {}\n", question(rng));
+            let q = text_of(tok, rng, cost.tokens(400), &lead);
+            let prompt = format!("{}\n{q}", systems[a]);
+            let mut b = completion_body(tok, &prompt, cost.tokens(400), a);
+            b.headers = vec![
+                (PRIORITY_HEADER, "interactive".to_owned()),
+                (TENANT_HEADER, format!("app-{a}")),
+            ];
+            b.group = Some("interactive");
+            b
+        } else {
+            let p = text_of(tok, rng, cost.tokens(2000), &format!("Document {n}.\n"));
+            let mut b = completion_body(tok, &p, cost.tokens(1000), PRIORITY_APPS + n);
+            b.headers = vec![
+                (PRIORITY_HEADER, "batch".to_owned()),
+                (TENANT_HEADER, "batch".to_owned()),
+            ];
+            b.group = Some("batch");
+            b
+        };
+        bodies.push(b);
+    }
+    let shared = systems
+        .iter()
+        .map(|s| u64::from(completion_tokens(tok, s)))
+        .sum();
+    (bodies, shared)
+}
+
 /// Builds the request bodies, in order, and sizes the cache; `pods` is the cluster size;
 /// `count` replaces the workload's requests per run.
 pub fn build(
@@ -407,82 +498,21 @@ pub fn build(
             rates = vec![32.0, 64.0, 96.0];
         }
         Kind::NoisyNeighbor => {
-            // multi_tenant's requests (system prompt, question, answer), eight tenants; each
-            // tenant's bodies in order, as many as its busiest phase can draw (the plan cycles
-            // them if a rate asks for more). Keys are tenants; the plan draws the arrivals.
-            let tenants = noisy::TENANTS;
-            let system = cost.tokens(6000);
-            let systems: Vec<String> = (0..tenants)
-                .map(|g| system_prompt(tok, &mut rng, system, &format!("tenant {g}")))
-                .collect();
             let per_tenant = count_override.unwrap_or(if quick { 48 } else { 96 });
-            for (g, system) in systems.iter().enumerate() {
-                let n = if g == 0 { 4 * per_tenant } else { per_tenant };
-                for _ in 0..n {
-                    let lead = format!("User of tenant {g} asks: {}\n", question(&mut rng));
-                    let q = text_of(tok, &mut rng, cost.tokens(1200), &lead);
-                    let prompt = format!("{system}\n{q}");
-                    push_completion(&mut bodies, &prompt, cost.tokens(1000), g);
-                }
-            }
-            for b in &mut bodies {
-                b.headers = vec![(TENANT_HEADER, format!("tenant-{}", b.key))];
-            }
+            let (b, shared) = noisy_bodies(tok, &mut rng, cost, per_tenant);
+            bodies = b;
             count = bodies.len();
-            shared_prompts = tenants;
-            shared_tokens = systems
-                .iter()
-                .map(|s| u64::from(completion_tokens(tok, s)))
-                .sum();
+            shared_prompts = noisy::TENANTS;
+            shared_tokens = shared;
             // The calm rate: the burst adds (BURST - 1) × 0.3 of it, 2.2× in all.
             rates = vec![48.0];
         }
         Kind::PriorityMix => {
-            // Half interactive (four apps' 1,500-token system prompts, short questions and
-            // answers), half batch (2,000-token documents summarised at length), interleaved.
-            let apps = 4;
-            let systems: Vec<String> = (0..apps)
-                .map(|a| system_prompt(tok, &mut rng, cost.tokens(6000), &format!("app {a}")))
-                .collect();
             count = count_override.unwrap_or(if quick { 240 } else { 480 });
-            for n in 0..count {
-                if rng.below(2) == 0 {
-                    let a = rng.below(apps);
-                    let lead = format!("A user of app {a} asks: {}\n", question(&mut rng));
-                    let q = text_of(tok, &mut rng, cost.tokens(400), &lead);
-                    push_completion(
-                        &mut bodies,
-                        &format!("{}\n{q}", systems[a]),
-                        cost.tokens(400),
-                        a,
-                    );
-                    let b = bodies.last_mut().expect("pushed");
-                    b.headers = vec![
-                        (PRIORITY_HEADER, "interactive".to_owned()),
-                        (TENANT_HEADER, format!("app-{a}")),
-                    ];
-                    b.group = Some("interactive");
-                } else {
-                    let p = text_of(
-                        tok,
-                        &mut rng,
-                        cost.tokens(2000),
-                        &format!("Document {n}.\n"),
-                    );
-                    push_completion(&mut bodies, &p, cost.tokens(1000), apps + n);
-                    let b = bodies.last_mut().expect("pushed");
-                    b.headers = vec![
-                        (PRIORITY_HEADER, "batch".to_owned()),
-                        (TENANT_HEADER, "batch".to_owned()),
-                    ];
-                    b.group = Some("batch");
-                }
-            }
-            shared_prompts = apps;
-            shared_tokens = systems
-                .iter()
-                .map(|s| u64::from(completion_tokens(tok, s)))
-                .sum();
+            let (b, shared) = priority_bodies(tok, &mut rng, cost, count);
+            bodies = b;
+            shared_prompts = PRIORITY_APPS;
+            shared_tokens = shared;
             // Past saturation: the interactive half alone is within the fleet's capacity.
             rates = vec![192.0];
         }

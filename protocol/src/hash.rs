@@ -113,6 +113,15 @@ pub fn hash_chain(seed: &ChainSeed<'_>, tokens: &[u32], block_size: usize) -> Ve
     out
 }
 
+/// Chain indices that name a prefix of a chain of `len` blocks: 0, 1, 3, 7, … (depths of 1, 2,
+/// 4, 8, … blocks). A chain hash commits to every token before it, so these few hashes say how
+/// much of a prompt was placed where; routers remember prefixes' homes by them, and sidecars
+/// keep them to tell a restarted router where prefixes were placed.
+pub fn prefix_depths(len: usize) -> impl DoubleEndedIterator<Item = usize> {
+    // 2^k - 1 < len for k in 0..=floor(log2(len)).
+    (0..usize::BITS - len.leading_zeros()).map(|k| (1usize << k) - 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,6 +30,10 @@ pub enum SidecarMessage {
     /// Requests other router replicas just sent to this pod (their [`RouterMessage::Routed`]),
     /// relayed as they arrive.
     Placements(Placements),
+    /// After the snapshot on every (re)connect: where prefixes were placed on this pod lately,
+    /// by any router, so a router that (re)started knows each prefix's home as the running
+    /// replicas do.
+    RecentPlacements(RecentPlacements),
 }
 
 /// Router → sidecar.
@@ -322,6 +326,65 @@ pub struct Placement {
     pub routed: Routed,
 }
 
+/// Placements on this pod remembered by its sidecar (see [`SidecarMessage::RecentPlacements`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentPlacements {
+    pub entries: Vec<RecentPlacement>,
+}
+
+/// What a home needs of one placement: the prompt's chain hashes at
+/// [`crate::hash::prefix_depths`] of its length.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentPlacement {
+    /// Milliseconds since the sidecar received it.
+    pub age_ms: u32,
+    /// Blocks in the placed prompt's chain.
+    pub chain_len: u32,
+    /// The chain's hash at each of `prefix_depths(chain_len)`, in order.
+    pub depths: PackedChain,
+}
+
+impl RecentPlacement {
+    /// The remembered part of `routed`'s chain.
+    pub fn of(routed: &Routed, age_ms: u32) -> Self {
+        let chain: Vec<u64> = routed.chain.hashes().collect();
+        let depths: Vec<u64> = crate::hash::prefix_depths(chain.len())
+            .map(|d| chain[d])
+            .collect();
+        RecentPlacement {
+            age_ms,
+            chain_len: u32::try_from(chain.len()).unwrap_or(u32::MAX),
+            depths: PackedChain::new(&depths),
+        }
+    }
+
+    /// `(chain index, hash)` of each remembered depth.
+    pub fn marks(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        crate::hash::prefix_depths(self.chain_len as usize).zip(self.depths.hashes())
+    }
+
+    fn validate(&self) -> Result<(), InvalidField> {
+        in_range(
+            "RecentPlacements.entries.chain_len",
+            self.chain_len.into(),
+            0,
+            MAX_PLACEMENT_BLOCKS as u64,
+        )?;
+        let want = crate::hash::prefix_depths(self.chain_len as usize).count();
+        if self.depths.len() != want {
+            return invalid(
+                "RecentPlacements.entries.depths",
+                format!(
+                    "{} hashes for a chain of {} blocks (want {want})",
+                    self.depths.len(),
+                    self.chain_len
+                ),
+            );
+        }
+        self.depths.validate("RecentPlacements.entries.depths")
+    }
+}
+
 /// Why a peer is leaving.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Goodbye {
@@ -398,9 +461,56 @@ fn in_range(field: &'static str, v: u64, lo: u64, hi: u64) -> Result<(), Invalid
     }
 }
 
+/// Longest string a `Hello` may carry (a URL, a model name, a label value, a version). A frame
+/// may be 16 MiB; a router keeps every `Hello` for as long as its pod is connected.
+pub const MAX_HELLO_STRING: usize = 2048;
+/// Most entries in each of a `Hello`'s lists (models, LoRA adapters, labels).
+pub const MAX_HELLO_LIST: usize = 1024;
+
+fn bounded_str(field: &'static str, v: &str) -> Result<(), InvalidField> {
+    if v.len() <= MAX_HELLO_STRING {
+        Ok(())
+    } else {
+        invalid(field, format!("{} bytes, over {MAX_HELLO_STRING}", v.len()))
+    }
+}
+
+fn bounded_list<'a>(
+    field: &'static str,
+    items: impl ExactSizeIterator<Item = &'a str>,
+) -> Result<(), InvalidField> {
+    if items.len() > MAX_HELLO_LIST {
+        return invalid(
+            field,
+            format!("{} entries, over {MAX_HELLO_LIST}", items.len()),
+        );
+    }
+    for v in items {
+        bounded_str(field, v)?;
+    }
+    Ok(())
+}
+
 impl Hello {
-    /// Checks every number against what a real engine can report.
+    /// Checks every number against what a real engine can report, and every string and list
+    /// against [`MAX_HELLO_STRING`] and [`MAX_HELLO_LIST`].
     pub fn validate(&self) -> Result<(), InvalidField> {
+        let p = &self.pod;
+        bounded_str("Hello.pod.name", &p.name)?;
+        bounded_str("Hello.pod.namespace", &p.namespace)?;
+        bounded_str("Hello.pod.url", &p.url)?;
+        bounded_list("Hello.pod.labels", p.labels.keys().map(String::as_str))?;
+        bounded_list("Hello.pod.labels", p.labels.values().map(String::as_str))?;
+        bounded_list("Hello.models", self.models.iter().map(String::as_str))?;
+        bounded_list(
+            "Hello.lora_adapters",
+            self.lora_adapters.iter().map(String::as_str),
+        )?;
+        bounded_str("Hello.sidecar_version", &self.sidecar_version)?;
+        bounded_str("Hello.engine.engine_version", &self.engine.engine_version)?;
+        if let Some(t) = &self.tokenizer {
+            bounded_str("Hello.tokenizer.digest", &t.digest)?;
+        }
         let e = &self.engine;
         in_range(
             "Hello.engine.block_size",
@@ -546,6 +656,15 @@ impl SidecarMessage {
                 p.entries
                     .iter()
                     .try_for_each(|e| e.routed.chain.validate("Placements.entries.routed.chain"))
+            }
+            SidecarMessage::RecentPlacements(r) => {
+                in_range(
+                    "RecentPlacements.entries",
+                    r.entries.len() as u64,
+                    0,
+                    MAX_PLACEMENTS as u64,
+                )?;
+                r.entries.iter().try_for_each(RecentPlacement::validate)
             }
         }
     }

@@ -279,8 +279,8 @@ fn a_prefill_rate_that_is_not_finite_and_positive_is_refused_at_decode() {
     }
 }
 
-/// The input `cargo fuzz run frame_decode` found first (issue 13): a `Load` whose `kv_usage`
-/// is NaN. It decoded, and its re-encoding could not compare equal to it.
+/// An input `cargo fuzz run frame_decode` found: a `Load` whose `kv_usage` is NaN, which must
+/// not decode (a NaN never compares equal, not even to its own re-encoding).
 #[test]
 fn regression_fuzz_nan_kv_usage_frame() {
     let mut payload = vec![1u8]; // variant 1 = Load
@@ -461,4 +461,38 @@ fn placements_carry_whole_chains_and_refuse_broken_or_endless_ones() {
         Err(FrameError::Invalid(e)) => assert_eq!(e.field, "Routed.chain"),
         other => panic!("a torn chain decoded as {other:?}"),
     }
+}
+
+#[test]
+fn recent_placements_keep_a_prompts_prefix_depths_and_refuse_a_mismatched_count() {
+    let chain: Vec<u64> = (1..=40).collect();
+    let routed = Routed {
+        chain: PackedChain::new(&chain),
+        new_blocks: 40,
+        uncached_tokens: 640,
+    };
+    let r = RecentPlacement::of(&routed, 7);
+    assert_eq!(r.chain_len, 40);
+    // Depths 1, 2, 4, 8, 16, 32 blocks: chain indices 0, 1, 3, 7, 15, 31.
+    assert_eq!(
+        r.marks().collect::<Vec<_>>(),
+        vec![(0, 1), (1, 2), (3, 4), (7, 8), (15, 16), (31, 32)]
+    );
+    let msg = |e: RecentPlacement| {
+        SidecarMessage::RecentPlacements(RecentPlacements { entries: vec![e] })
+    };
+    assert!(decode_sidecar(&msg(r.clone())).is_ok());
+    let short = RecentPlacement {
+        chain_len: 64,
+        ..r.clone()
+    };
+    assert_eq!(invalid_field(msg(short)), "RecentPlacements.entries.depths");
+    let endless = RecentPlacement {
+        chain_len: u32::MAX,
+        ..r
+    };
+    assert_eq!(
+        invalid_field(msg(endless)),
+        "RecentPlacements.entries.chain_len"
+    );
 }

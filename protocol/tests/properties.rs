@@ -177,7 +177,19 @@ fn sidecar_message() -> impl Strategy<Value = SidecarMessage> {
                 .map(|(age_ms, routed)| Placement { age_ms, routed })
                 .collect()
         })),
+        recent(),
     ]
+}
+
+fn recent() -> impl Strategy<Value = SidecarMessage> {
+    vec((any::<u32>(), routed()), 0..4).prop_map(|e| {
+        SidecarMessage::RecentPlacements(RecentPlacements {
+            entries: e
+                .iter()
+                .map(|(age, r)| RecentPlacement::of(r, *age))
+                .collect(),
+        })
+    })
 }
 
 fn routed() -> impl Strategy<Value = Routed> {

@@ -1,18 +1,22 @@
 //! Hot paths of the router: a pick over 64 pods for a 512-block chain (cold, partial and the
 //! worst case where every pod holds the whole chain), given the chain's hashes as the router
 //! computes them before taking the registry lock, and once more with the hashing of the 8,192
-//! tokens included; and tokenize + hash of a ~2k-token chat
-//! with the project's own tokenizer (byte-level BPE, the tokenizer's fast path) and, when the
-//! fixture is beside the checkout, with Phi-3-mini's (sentencepiece-style: `tokenizers`' full
-//! pipeline). Besides criterion's figures, each pick case prints its p50
-//! and p99 over 20 000 single picks (criterion reports means, the target is a p99).
+//! tokens included; the same pick over a fleet of 1,000 pods holding 80,000 blocks each (cold,
+//! a few pods holding the chain, partial, and every pod holding it), each also with `affinity: 0`
+//! (no home: the home's exact match of every pod left out); and tokenize + hash of a ~2k-token
+//! chat with the project's own tokenizer (byte-level BPE, the tokenizer's fast path) and, when
+//! the fixture is beside the checkout, with Phi-3-mini's (sentencepiece-style: `tokenizers`' full
+//! pipeline). Besides criterion's figures, each pick case prints its p50 and p99 over 20 000
+//! single picks (2 000 at 1,000 pods; criterion reports means, the target is a p99).
 //!
 //! Every pod reports a fresh load before each timed pick (untimed), as sidecars do between
 //! picks: without it the picks pile up as "sent since the sample", every pod ends up saturated
 //! after a few thousand picks and the bench measures the all-saturated fallback instead of the
 //! case it names.
 //!
-//! `cargo bench -p kvsight-router --bench pick`
+//! `cargo bench -p kvsight-router --bench pick`; `KVSIGHT_PICK_ONLY=1000x512_cold` builds and
+//! samples only the pick cases whose name holds that text (criterion's own filter only skips
+//! its timing, and the 1,000-pod clusters take seconds to build).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -28,9 +32,32 @@ use kvsight_router::pods::{ConnId, Registry};
 use kvsight_router::scheduler::{PickRequest, PromptHashes, Scheduler};
 use kvsight_router::tokenize::model_tokenizer;
 
-const PODS: usize = 64;
 const BLOCKS: usize = 512;
 const BS: u32 = 16;
+
+/// One shape of cluster the pick is measured on.
+struct Fleet {
+    pods: usize,
+    /// Blocks each pod holds besides the chain's (its filter is sized for 100,000).
+    other_blocks: u64,
+    /// Single picks timed for the printed p50 / p99.
+    samples: usize,
+}
+
+/// The cluster of one model the router usually fronts.
+const SMALL: Fleet = Fleet {
+    pods: 64,
+    other_blocks: 20_000,
+    samples: 20_000,
+};
+
+/// A fleet at the scale `cargo xtask fleet` measures with real processes: 1,000 pods whose
+/// caches are mostly full.
+const LARGE: Fleet = Fleet {
+    pods: 1_000,
+    other_blocks: 80_000,
+    samples: 2_000,
+};
 
 /// How many leading blocks of the chain pod `i` holds.
 type Held = fn(usize) -> usize;
@@ -47,7 +74,10 @@ fn hello(i: usize) -> Hello {
         },
         sidecar_version: "bench".into(),
         load_interval_ms: 3_600_000,
-        ..messages::hello(&format!("pod-{i}"), &format!("http://10.0.0.{i}:8000"))
+        ..messages::hello(
+            &format!("pod-{i}"),
+            &format!("http://10.0.{}.{}:8000", i / 250, i % 250),
+        )
     }
 }
 
@@ -60,16 +90,22 @@ fn load(i: usize) -> Load {
     }
 }
 
-/// 64 Ready pods; pod `i` holds the first `held(i)` blocks of `chain` plus 20 000 other blocks.
-fn registry(chain: &[u64], held: impl Fn(usize) -> usize) -> (Registry, Vec<(String, ConnId)>) {
+/// `fleet.pods` Ready pods; pod `i` holds the first `held(i)` blocks of `chain` plus
+/// `fleet.other_blocks` other blocks.
+fn registry(
+    fleet: &Fleet,
+    chain: &[u64],
+    held: impl Fn(usize) -> usize,
+) -> (Registry, Vec<(String, ConnId)>) {
     let now = Instant::now();
     let mut reg = Registry::new();
-    let mut conns = Vec::with_capacity(PODS);
+    let mut conns = Vec::with_capacity(fleet.pods);
     let params = FilterParams::for_capacity(100_000, 0.01);
-    for i in 0..PODS {
+    for i in 0..fleet.pods {
         let (key, conn) = reg.register(hello(i), now);
         reg.apply_load(&key, conn, load(i), now).unwrap();
-        let other = (0..20_000u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
+        let other =
+            (0..fleet.other_blocks).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
         let keys = chain[..held(i)].iter().copied().chain(other);
         let f = BloomFilter::from_keys(params, keys).unwrap();
         reg.apply_snapshot(&key, conn, &f.snapshot()).unwrap();
@@ -99,6 +135,31 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     )
 }
 
+/// The named pick benches of one case that `only` selects: (name, scheduler, hashing included).
+/// Hashing only on the small cold case, where it weighs most (it does not depend on the number
+/// of pods); `affinity: 0` only on the fleet.
+fn variants<'s>(
+    fleet: &Fleet,
+    name: &str,
+    sched: &'s Scheduler,
+    no_home: &'s Scheduler,
+    only: &str,
+) -> Vec<(String, &'s Scheduler, bool)> {
+    let small = fleet.pods == SMALL.pods;
+    [
+        ("", sched, false),
+        ("_with_hashing", sched, true),
+        ("_affinity_off", no_home, false),
+    ]
+    .into_iter()
+    .filter(|&(label, _, hashing)| {
+        (!hashing || (name == "cold" && small)) && (label != "_affinity_off" || !small)
+    })
+    .map(|(label, s, hashing)| (format!("pick_{}x512_{name}{label}", fleet.pods), s, hashing))
+    .filter(|(bench, _, _)| bench.contains(only))
+    .collect()
+}
+
 fn pick_bench(c: &mut Criterion) {
     let tokens: Vec<u32> = (0..BLOCKS as u32 * BS).map(|t| t % 50_000).collect();
     let chain = hash_chain(
@@ -116,6 +177,11 @@ fn pick_bench(c: &mut Criterion) {
         ..SchedulerConfig::default()
     };
     let sched = Scheduler::new(&cfg);
+    // The same without the prompt's home (`affinity: 0`): how much of a fleet-scale pick the
+    // home's exact matching of every pod costs.
+    let mut no_home = cfg.clone();
+    no_home.weights.affinity = 0.0;
+    let no_home = Scheduler::new(&no_home);
     let req = PickRequest {
         model: "m",
         pool: None,
@@ -124,17 +190,35 @@ fn pick_bench(c: &mut Criterion) {
         cache_salt: None,
         exclude: &[],
     };
-    let cases: [(&str, Held); 3] = [
+    let small: [(&str, Held); 3] = [
         ("cold", |_| 0),
         ("partial", |i| (i * 8) % BLOCKS),
         ("worst_all_hold_whole_chain", |_| BLOCKS),
     ];
-    for (name, held) in cases {
-        let (mut reg, conns) = registry(&chain, held);
+    // At fleet scale a popular prefix lives on a handful of pods (its homes), not on all.
+    let large: [(&str, Held); 4] = [
+        ("cold", |_| 0),
+        ("eight_hold_whole_chain", |i| {
+            if i % 125 == 0 { BLOCKS } else { 0 }
+        }),
+        ("partial", |i| (i * 8) % BLOCKS),
+        ("worst_all_hold_whole_chain", |_| BLOCKS),
+    ];
+    let runs = small
+        .iter()
+        .map(|case| (&SMALL, case))
+        .chain(large.iter().map(|case| (&LARGE, case)));
+    let only = std::env::var("KVSIGHT_PICK_ONLY").unwrap_or_default();
+    for (fleet, &(name, held)) in runs {
+        let variants = variants(fleet, name, &sched, &no_home, &only);
+        if variants.is_empty() {
+            continue;
+        }
+        let (mut reg, conns) = registry(fleet, &chain, held);
         // As the router does before taking the lock; the pods' shapes never change here, so
         // the same hashes serve every pick.
         let mut hashes = PromptHashes::new(&Scheduler::hash_plan(&reg, &req), req.tokens);
-        let mut pick = |reg: &mut Registry, hashing: bool| {
+        let mut pick = |reg: &mut Registry, sched: &Scheduler, hashing: bool| {
             if hashing {
                 sched.pick(reg, &req, Instant::now())
             } else {
@@ -142,16 +226,12 @@ fn pick_bench(c: &mut Criterion) {
             }
             .unwrap()
         };
-        for (label, hashing) in [("", false), ("_with_hashing", true)] {
-            // Only the cold case, where hashing weighs most, is repeated with it.
-            if hashing && name != "cold" {
-                continue;
-            }
-            let mut samples = Vec::with_capacity(20_000);
-            for _ in 0..20_000 {
+        for (bench, sched, hashing) in variants {
+            let mut samples = Vec::with_capacity(fleet.samples);
+            for _ in 0..fleet.samples {
                 report_all(&mut reg, &conns);
                 let t = Instant::now();
-                let d = black_box(pick(&mut reg, hashing));
+                let d = black_box(pick(&mut reg, sched, hashing));
                 samples.push(t.elapsed());
                 assert!(
                     !d.all_saturated,
@@ -159,14 +239,17 @@ fn pick_bench(c: &mut Criterion) {
                 );
             }
             let (p50, p99) = percentiles(samples);
-            eprintln!("pick 64 pods x 512 blocks [{name}{label}]: p50 {p50:?}, p99 {p99:?}");
-            c.bench_function(&format!("pick_64x512_{name}{label}"), |b| {
+            eprintln!(
+                "{bench}: p50 {p50:?}, p99 {p99:?} over {} picks",
+                fleet.samples
+            );
+            c.bench_function(&bench, |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
                         report_all(&mut reg, &conns);
                         let t = Instant::now();
-                        black_box(pick(&mut reg, hashing));
+                        black_box(pick(&mut reg, sched, hashing));
                         total += t.elapsed();
                     }
                     total

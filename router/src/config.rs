@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::scheduler::scorers::ScorerKind;
 
@@ -34,7 +34,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 }
 
 /// The whole file.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RouterConfig {
     /// Pools, in order: a request goes to the first pool that lists its model. A model in no
@@ -54,7 +54,7 @@ pub struct RouterConfig {
 }
 
 /// A set of pods serving some models, with an optional context window and fallback.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolConfig {
     pub name: String,
@@ -73,7 +73,7 @@ pub struct PoolConfig {
 }
 
 /// Weights of the scorers: a pod's score is Σ weight × scorer value (each value in 0 – 1).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Weights {
     /// Fraction of the prompt's blocks resident on the pod (real cache, via its Bloom filter).
@@ -96,7 +96,7 @@ pub struct Weights {
     /// going there within `affinityTtlSeconds`; `crate::homes`) scores higher, and a busy home
     /// may start the prompt a little later than a free pod and still compete (a full one too):
     /// where a prefix evicted everywhere returns, and what keeps tenants from spreading over
-    /// every pod past saturation. Default 3 (router/README.md has what it was measured to do);
+    /// every pod past saturation. Default 3 (see docs/decisions/0006-homes.md);
     /// 0 turns homes off. A companion of `prefix`, so it counts only while `prefix` is above 0
     /// (`prefix: 0` spreads a shared prefix, as operators expect).
     pub affinity: f64,
@@ -149,7 +149,7 @@ impl Weights {
 }
 
 /// When a pod counts as saturated and is skipped.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Saturation {
     /// Saturated at this many waiting requests (projected). Default 1.
@@ -168,7 +168,7 @@ impl Default for Saturation {
 }
 
 /// Scheduler settings.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct SchedulerConfig {
     pub weights: Weights,
@@ -211,7 +211,7 @@ impl SchedulerConfig {
 }
 
 /// Deadlines.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Timeouts {
     /// The one deadline for a whole request, first byte to last. Default 3600 s.
@@ -224,8 +224,13 @@ pub struct Timeouts {
     pub header_read_seconds: f64,
     /// A request's whole body must arrive within this many seconds, or the answer is 408 and the
     /// connection closes (a trickling body holds a connection and a buffer). Default 60 s: a
-    /// 32 MiB body at 1 MB/s with room to spare.
+    /// 32 MiB body at 1 MB/s with room to spare. The same bound applies to the bodies the router
+    /// reads whole from a pod (a forwarded `/tokenize` answer, an error it inspects).
     pub body_read_seconds: f64,
+    /// A client that takes no chunk of its answer for this many seconds is cut off: the pod's
+    /// request is aborted and the connection closed, instead of both waiting for
+    /// `requestSeconds`. A client that reads slowly but steadily is not affected. Default 30 s.
+    pub client_write_seconds: f64,
 }
 
 impl Default for Timeouts {
@@ -235,6 +240,7 @@ impl Default for Timeouts {
             connect_seconds: 2.0,
             header_read_seconds: 30.0,
             body_read_seconds: 60.0,
+            client_write_seconds: 30.0,
         }
     }
 }
@@ -252,11 +258,14 @@ impl Timeouts {
     pub fn body_read(&self) -> Duration {
         Duration::from_secs_f64(self.body_read_seconds)
     }
+    pub fn client_write(&self) -> Duration {
+        Duration::from_secs_f64(self.client_write_seconds)
+    }
 }
 
 /// Bounds on everything a client controls; each refusal is counted in
-/// `kvsight_router_refused_total{reason}` (README, "Reliability / limits").
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// `kvsight_router_refused_total{reason}` (docs/operations.md, limits).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Limits {
     /// Largest request body in bytes; a larger declared `Content-Length` is refused (413) before
@@ -272,9 +281,29 @@ pub struct Limits {
     pub json_depth: usize,
     /// Most `messages` in a chat request. Default 4096.
     pub chat_messages: usize,
-    /// Most bytes of prompt text (`prompt` strings, the text in `messages`) before tokenizing;
-    /// images and audio do not count. Default 8 MiB (above any context window of text).
+    /// Most bytes of prompt before tokenizing: every string and number in the fields the chat
+    /// template renders or the engine tokenizes (`prompt`, token ids included; `messages`,
+    /// `tools`, `documents`, `chat_template_kwargs`, `chat_template`), as written in the JSON
+    /// text; media payloads (images, audio, video, files) do not count. Default 8 MiB (above any
+    /// context window of text).
     pub prompt_bytes: usize,
+    /// Most JSON values (each string, number, literal, array and object) in the fields the chat
+    /// template renders, counted before they are parsed: a parsed value costs the router about
+    /// a hundred bytes whatever its size in the body, so this bounds the memory a chat body
+    /// takes (token-id prompts are read as plain integers and not counted here). Default 262144.
+    pub json_values: usize,
+    /// Bytes of request bodies the whole replica holds at once (read, being read, or parsed, as
+    /// estimated), across every request; a body that would exceed it is refused with 503 and
+    /// `Retry-After`. Default 512 MiB: sixteen bodies of `bodyBytes`, or thousands of usual ones,
+    /// within the chart's 2 GiB memory limit (docs/decisions/0100-request-memory-bounds.md).
+    pub inflight_body_bytes: usize,
+    /// Threads that run CPU-heavy work (tokenizing and parsing large bodies, building tokenizers
+    /// sidecars send) away from the threads that answer probes and stream answers. 0 (default):
+    /// one fewer than the CPUs, at least one. Read at start; a reload does not resize the pool.
+    pub heavy_workers: usize,
+    /// Heavy jobs that may wait for a thread; one more is refused with 503 and `Retry-After`.
+    /// Default 64. Read at start, like `heavyWorkers`.
+    pub heavy_queue: usize,
     /// Most client connections open at once on this replica; a connection over it is answered
     /// 503 with `Retry-After` and closed. Default 4096.
     pub connections: usize,
@@ -289,23 +318,67 @@ impl Default for Limits {
             json_depth: 64,
             chat_messages: 4096,
             prompt_bytes: 8 << 20,
+            json_values: 1 << 18,
+            inflight_body_bytes: 512 << 20,
+            heavy_workers: 0,
+            heavy_queue: 64,
             connections: 4096,
         }
     }
 }
 
-/// Which base URL a sidecar may advertise for its pod. A sidecar's certificate proves it is a
-/// sidecar, not where its pod is: without this check, one stolen certificate could point a pod
-/// entry at any host and receive (or redirect) the prompts routed to it.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+/// What a sidecar may claim, and how many may connect. A sidecar's certificate proves it is a
+/// sidecar; which pod names it may register comes from the certificate too, and its advertised
+/// URL must be its own address: without these checks, one stolen certificate could replace any
+/// pod in every router, or point a pod entry at any host and receive the prompts routed to it.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct PodsConfig {
-    /// Accept any advertised URL (the pre-issue-13 behaviour). Default false: the URL's host
+    /// Which pod names a sidecar may register. `certificate` (default): only names a URI SAN
+    /// `kvsight://pod/<namespace>/<name>` of its certificate grants (a name ending in `*` grants
+    /// a prefix), as the Helm chart issues them. `any`: any name, for certificates issued
+    /// without such SANs (a certificate shared by every pod); either way a
+    /// name held by a live connection with another certificate is refused.
+    pub identity: PodIdentityMode,
+    /// Most sidecar connections open at once (QUIC); one more is refused at the handshake.
+    /// Default 4096 (one per pod of a large fleet).
+    pub max_connections: usize,
+    /// Most pods registered at once; a `Hello` for one more is refused. Default 4096.
+    pub max_pods: usize,
+    /// Messages a sidecar connection may send per second, averaged over a second: past it the
+    /// router reads the connection more slowly (QUIC flow control then slows the sidecar).
+    /// Default 1000 (a sidecar sends a few dozen: load, deltas, tokenizer chunks).
+    pub messages_per_second: u32,
+    /// Accept any advertised URL (the behaviour before this check existed). Default false: the URL's host
     /// must be (or resolve to) the IP address the sidecar's QUIC connection comes from.
     pub trust_advertised_url: bool,
     /// Hosts accepted in advertised URLs whatever the connection's address (exact names or IP
     /// literals), for setups where a sidecar reaches routers through NAT. Default empty.
     pub allow_advertised_hosts: Vec<String>,
+}
+
+impl Default for PodsConfig {
+    fn default() -> Self {
+        PodsConfig {
+            identity: PodIdentityMode::Certificate,
+            max_connections: 4096,
+            max_pods: 4096,
+            messages_per_second: 1000,
+            trust_advertised_url: false,
+            allow_advertised_hosts: Vec::new(),
+        }
+    }
+}
+
+/// How a sidecar's pod name is checked ([`PodsConfig::identity`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum PodIdentityMode {
+    /// The certificate's URI SANs must grant the name.
+    #[default]
+    Certificate,
+    /// Any name (certificates without pod URI SANs).
+    Any,
 }
 
 impl RouterConfig {
@@ -426,6 +499,10 @@ impl RouterConfig {
             self.timeouts.header_read_seconds,
         )?;
         positive_secs("timeouts.bodyReadSeconds", self.timeouts.body_read_seconds)?;
+        positive_secs(
+            "timeouts.clientWriteSeconds",
+            self.timeouts.client_write_seconds,
+        )?;
         let l = &self.limits;
         for (field, v, min, max) in [
             ("limits.bodyBytes", l.body_bytes, 1, usize::MAX),
@@ -434,6 +511,15 @@ impl RouterConfig {
             ("limits.jsonDepth", l.json_depth, 1, 100),
             ("limits.chatMessages", l.chat_messages, 1, usize::MAX),
             ("limits.promptBytes", l.prompt_bytes, 1, usize::MAX),
+            ("limits.jsonValues", l.json_values, 1, usize::MAX),
+            (
+                "limits.inflightBodyBytes",
+                l.inflight_body_bytes,
+                1,
+                usize::MAX,
+            ),
+            ("limits.heavyWorkers", l.heavy_workers, 0, 1024),
+            ("limits.heavyQueue", l.heavy_queue, 0, 1 << 20),
             ("limits.connections", l.connections, 1, usize::MAX),
         ] {
             if !(min..=max).contains(&v) {
@@ -444,6 +530,25 @@ impl RouterConfig {
                 };
                 return Err(invalid(field, format!("must be {range}, got {v}")));
             }
+        }
+        let p = &self.pods;
+        for (field, v) in [
+            ("pods.maxConnections", p.max_connections),
+            ("pods.maxPods", p.max_pods),
+            ("pods.messagesPerSecond", p.messages_per_second as usize),
+        ] {
+            if v == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if l.inflight_body_bytes < l.body_bytes {
+            return Err(invalid(
+                "limits.inflightBodyBytes",
+                format!(
+                    "must be at least limits.bodyBytes ({}), or a body of the largest size is never read, got {}",
+                    l.body_bytes, l.inflight_body_bytes
+                ),
+            ));
         }
         self.flow_control.validate()?;
         Ok(())

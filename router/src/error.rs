@@ -21,8 +21,20 @@ pub enum ApiError {
     TooManyMessages { count: usize, limit: usize },
     #[error("the prompt text is {bytes} bytes; this router accepts at most {limit}")]
     PromptTooLarge { bytes: usize, limit: usize },
+    #[error("the request head exceeds the limit of {limit} bytes")]
+    HeadTooLarge { limit: usize },
     #[error("this router has {limit} connections open; retry shortly")]
     TooManyConnections { limit: usize },
+    #[error(
+        "this router holds {limit} bytes of request bodies in flight, its limit; retry shortly"
+    )]
+    BodyBudget { limit: usize },
+    #[error(
+        "the request has {count} JSON values in the fields the chat template reads; this router accepts at most {limit}"
+    )]
+    TooManyValues { count: usize, limit: usize },
+    #[error("this router's {limit} queued slots for heavy work are taken; retry shortly")]
+    Busy { limit: usize },
     #[error("{0}")]
     BadRequest(String),
     #[error("{message}")]
@@ -42,6 +54,8 @@ pub enum ApiError {
     Upstream { pod: String, message: String },
     #[error("{0}")]
     NotFound(String),
+    #[error("{0}")]
+    Internal(String),
     /// Flow control answered at once instead of letting the request wait ([`crate::flow`]).
     #[error("{message}")]
     Shed {
@@ -62,18 +76,23 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::BadRequest(_)
             | ApiError::BadParam { .. }
             | ApiError::TooDeep { .. }
             | ApiError::TooManyMessages { .. }
+            | ApiError::TooManyValues { .. }
             | ApiError::PromptTooLarge { .. } => StatusCode::BAD_REQUEST,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::NoReadyPod(_)
             | ApiError::ShuttingDown
+            | ApiError::BodyBudget { .. }
+            | ApiError::Busy { .. }
             | ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Shed { .. } | ApiError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
@@ -83,6 +102,7 @@ impl ApiError {
             ApiError::UnknownModel(_) => Some("model"),
             ApiError::BadParam { param, .. } => Some(param),
             ApiError::TooManyMessages { .. } => Some("messages"),
+            ApiError::TooManyValues { .. } => Some("messages"),
             ApiError::PromptTooLarge { .. } => Some("prompt"),
             _ => None,
         }
@@ -98,6 +118,9 @@ impl ApiError {
             ApiError::TooManyMessages { .. } => "chat_messages",
             ApiError::PromptTooLarge { .. } => "prompt_bytes",
             ApiError::TooManyConnections { .. } => "connections",
+            ApiError::BodyBudget { .. } => "inflight_body_bytes",
+            ApiError::TooManyValues { .. } => "json_values",
+            ApiError::Busy { .. } => "heavy_queue",
             _ => return None,
         })
     }
@@ -115,6 +138,7 @@ pub fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> ser
         404 => "NotFoundError",
         408 => "RequestTimeoutError",
         413 => "RequestEntityTooLarge",
+        431 => "RequestHeaderFieldsTooLarge",
         429 => "RateLimitError",
         502 => "BadGatewayError",
         503 => "ServiceUnavailableError",
@@ -132,6 +156,8 @@ impl IntoResponse for ApiError {
             self,
             ApiError::BodyTooLarge { .. }
                 | ApiError::BodyTimeout(_)
+                | ApiError::BodyBudget { .. }
+                | ApiError::HeadTooLarge { .. }
                 | ApiError::TooManyConnections { .. }
         ) {
             // The rest of the body (or the connection) is not worth reading: close it.
@@ -140,7 +166,11 @@ impl IntoResponse for ApiError {
         }
         if matches!(
             self,
-            ApiError::NoReadyPod(_) | ApiError::ShuttingDown | ApiError::TooManyConnections { .. }
+            ApiError::NoReadyPod(_)
+                | ApiError::ShuttingDown
+                | ApiError::TooManyConnections { .. }
+                | ApiError::BodyBudget { .. }
+                | ApiError::Busy { .. }
         ) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));

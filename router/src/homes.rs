@@ -5,9 +5,7 @@
 //! evicts a tenant's prefix between two of its requests, and a loaded pod is skipped for an idle
 //! sibling. Each such move places the prefix on a pod that did not hold it, where it evicts some
 //! other tenant's, whose next request then moves too: every pod ends up holding every tenant and
-//! none for long (measured on issue 16's KV-starved load: 10–14 of the 24 tenants went to each
-//! pod where 6 fit, and about 40 % of the lost hits were requests whose prefix no pod held any
-//! more).
+//! none for long (docs/decisions/0006-homes.md).
 //! A home is *exclusive* and *sticky*: the first pod a prefix is routed to owns it while this
 //! router keeps sending it there (within `affinityTtlSeconds`); sending it elsewhere for load does
 //! not move it. A home is a preference (the `affinity` scorer and the saturation rule's slack),
@@ -25,6 +23,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use kvsight_protocol::hash::prefix_depths as depths;
 
 /// Most remembered prefix depths (about eight per distinct prompt); beyond it the expired and
 /// then the stalest go first. ~80 bytes each.
@@ -115,12 +115,9 @@ pub fn value(depth: usize, commons: usize, chain_len: usize) -> f64 {
 /// A home is overloaded, and claims nothing, while its pod carries more than this many times
 /// the mean load (running + waiting requests, projected) of the model's eligible pods, plus one.
 /// One prefix whose traffic is more than a pod's worth (a system prompt every chat session
-/// starts with) must spread before the commons can see it on the other pods: measured on the
-/// bench's `multi_turn` (8 pods, 96 req/s, `affinity: 3`), without it 129 of 240 requests went
-/// to one pod (TTFT p90 0.83 s); with it 22–38 per pod and TTFT p90 0.06 s, as with homes off.
-/// Three, not two (both fix `multi_turn`): on issue 16's load two gave hit rates 0.663 / 0.675,
-/// three 0.680 / 0.683 (two runs each; without the rule 0.692–0.699 in three). Among four pods,
-/// three means one pod carrying three times the other three together, plus four.
+/// starts with) must spread before the commons can see it on the other pods. Among four pods,
+/// three means one pod carrying three times the other three together, plus four
+/// (docs/decisions/0007-commons-and-overload.md).
 pub const OVERLOAD: f64 = 3.0;
 
 /// Whether a home whose pod carries `load` is [`OVERLOAD`]ed against the pods' `mean` load.
@@ -148,15 +145,10 @@ pub fn commons(others: &mut [usize]) -> usize {
 ///
 /// Why: a home is worth keeping because a move copies the prefix onto a pod whose LRU then
 /// evicts another prefix, which costs its owner a prefill too. That holds where the caches are
-/// starved — issue 16's load, every pod's KV about 0.9 in use, a tenant's 181 blocks more than a
-/// pod's free pool — and not where every sibling's free pool holds many such copies: the copy
-/// then evicts only the oldest of many cached blocks, and keeping the prompt on a loaded home
-/// costs its time to first token for nothing. Measured on the bench's `multi_turn` (8 pods of
-/// 2,644 blocks, 96 req/s, the winner's KV about 0.14 in use): TTFT p90 0.068–0.075 s with full
-/// claims, 0.049–0.053 s scaled (homes off: 0.050 s); issue 16's load level (hit rate 0.66 /
-/// 0.71 / 0.67 / 0.72 against 0.70 / 0.72 / 0.67 / 0.68 unscaled, interleaved runs). The largest
-/// share, not the smallest: one roomy sibling is not a fleet with room (scaling by the smallest
-/// gave issue 16's load 0.68 / 0.64).
+/// starved, not where every sibling's free pool holds many such copies: there the copy evicts
+/// only old blocks, and keeping the prompt on a loaded home costs its time to first token for
+/// nothing. The largest share, not the smallest: one roomy sibling is not a fleet with room
+/// (docs/decisions/0008-eviction-share.md).
 pub fn eviction_share(new_blocks: u32, kv_usage: f64, num_gpu_blocks: u64) -> f64 {
     let free = (1.0 - kv_usage).clamp(0.0, 1.0) * num_gpu_blocks as f64;
     if free < 1.0 {
@@ -172,13 +164,8 @@ pub fn eviction_share(new_blocks: u32, kv_usage: f64, num_gpu_blocks: u64) -> f6
 /// Why the commons fade where caches are starved: there a copy a sibling holds is transient
 /// (its LRU evicts it unless the prefix keeps being sent there), so "most other pods hold it
 /// too" describes only what earlier moves for load left behind, and honouring it spreads the
-/// prefix further. Measured on issue 16's load (24 tenants, every pod's KV about 0.9 in use,
-/// `evicts` 1): a tenant whose first requests had gone to two siblings during the cold start
-/// lost its home to the commons and was then moved 19 times in one run; with the commons
-/// ignored there the hit rate went from 0.74 / 0.70 / 0.73 to 0.75 / 0.75 / 0.74 (interleaved
-/// runs). Where every sibling's free pool holds the prompt many times over (`multi_turn`'s
-/// shared system prompt, `evicts` about 0.01) the commons count in full, as they must: there a
-/// copy stays.
+/// prefix further. Where every sibling's free pool holds the prompt many times over (`evicts`
+/// near 0) the commons count in full: there a copy stays (docs/decisions/0009-commons-fade.md).
 pub fn claim(depth: usize, commons: usize, chain_len: usize, evicts: f64) -> f64 {
     let evicts = evicts.clamp(0.0, 1.0);
     let kept = value(depth, commons, chain_len);
@@ -186,17 +173,16 @@ pub fn claim(depth: usize, commons: usize, chain_len: usize, evicts: f64) -> f64
     evicts * (evicts * own + (1.0 - evicts) * kept)
 }
 
-/// Chain indices that name a prefix: 0, 1, 3, 7, … below `len`.
-fn depths(len: usize) -> impl DoubleEndedIterator<Item = usize> {
-    // 2^k - 1 < len for k in 0..=floor(log2(len)).
-    (0..usize::BITS - len.leading_zeros()).map(|k| (1usize << k) - 1)
-}
-
 /// Two placements of one new prefix this close together were made by router replicas that
 /// had not yet heard of each other's (the relay takes a round trip): every replica gives the
 /// home to the lower pod key, whatever order it heard them in. Placements further apart are
 /// settled by time: the earlier one keeps the home.
 pub const CLAIM_TIE: Duration = Duration::from_millis(50);
+
+/// `chain`'s hashes at its prefix depths, as `(chain index, hash)`.
+fn marks(chain: &[u64]) -> Vec<(usize, u64)> {
+    depths(chain.len()).map(|d| (d, chain[d])).collect()
+}
 
 /// Whether another replica's placement on `pod` at `at` takes over `home`, a live home on
 /// another pod (see [`CLAIM_TIE`]).
@@ -216,7 +202,7 @@ impl Homes {
     /// Records that `chain` was routed to `pod` at `now`: every depth without a live home
     /// becomes `pod`'s, and `pod`'s own are refreshed. Depths another pod owns stay its own.
     pub fn record(&mut self, pod: &str, chain: &[u64], now: Instant, ttl: Duration) {
-        self.record_from(pod, chain, now, ttl, false);
+        self.record_marks(pod, &marks(chain), now, ttl, false);
     }
 
     /// Records a placement another router replica made (relayed by the pod's sidecar) as
@@ -224,18 +210,30 @@ impl Homes {
     /// `pod` when the other replica placed it first (see [`CLAIM_TIE`]): replicas that placed
     /// a new prefix about together end up agreeing on one home. Returns the depths handed over.
     pub fn record_peer(&mut self, pod: &str, chain: &[u64], at: Instant, ttl: Duration) -> usize {
-        self.record_from(pod, chain, at, ttl, true)
+        self.record_marks(pod, &marks(chain), at, ttl, true)
     }
 
-    fn record_from(
+    /// [`Self::record_peer`] for a placement a pod's sidecar remembered: only its prefix depths,
+    /// as `(chain index, hash)` pairs in depth order.
+    pub fn restore(
         &mut self,
         pod: &str,
-        chain: &[u64],
+        marks: &[(usize, u64)],
+        at: Instant,
+        ttl: Duration,
+    ) -> usize {
+        self.record_marks(pod, marks, at, ttl, true)
+    }
+
+    fn record_marks(
+        &mut self,
+        pod: &str,
+        marks: &[(usize, u64)],
         now: Instant,
         ttl: Duration,
         peer: bool,
     ) -> usize {
-        if chain.is_empty() {
+        if marks.is_empty() {
             return 0;
         }
         // Aged first: the prune's recount uses the same `now`.
@@ -267,7 +265,7 @@ impl Homes {
         };
         let (mut gained, mut grown, mut handovers) = (0, 0u64, 0);
         let mut fresh = Vec::new();
-        for d in depths(chain.len()) {
+        for &(d, hash) in marks {
             let new = Home {
                 pod: pod.clone(),
                 at: now,
@@ -275,7 +273,7 @@ impl Homes {
                 span: span(d),
                 reused: false,
             };
-            let previous = match self.map.get_mut(&chain[d]) {
+            let previous = match self.map.get_mut(&hash) {
                 // Sent again, home or elsewhere for load (it is still asked for: a home whose
                 // tenants moved for load must not look roomy and draw more). Counted from now
                 // on, if it was not while fresh.
@@ -305,7 +303,7 @@ impl Homes {
                     Some(std::mem::replace(home, new))
                 }
                 None => {
-                    self.map.insert(chain[d], new);
+                    self.map.insert(hash, new);
                     None
                 }
             };
@@ -319,7 +317,7 @@ impl Homes {
             }
             gained += 1;
             grown += u64::from(span(d));
-            fresh.push((now, chain[d]));
+            fresh.push((now, hash));
         }
         if let Some(e) = self.pods.get_mut(&*pod) {
             e.count += gained;
@@ -572,7 +570,8 @@ mod tests {
 
     #[test]
     fn a_move_evicts_what_the_siblings_free_pool_cannot_spare() {
-        // Issue 16's shape: 1,200 blocks, 0.9 in use, a tenant's 181 blocks: more than the pool.
+        // The KV-starved load's shape: 1,200 blocks, 0.9 in use, a tenant's 181 blocks: more
+        // than the pool.
         assert_eq!(eviction_share(181, 0.9, 1200), 1.0);
         // Half the pool.
         assert!((eviction_share(60, 0.9, 1200) - 0.5).abs() < 1e-9);

@@ -11,20 +11,25 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State as AxState};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
 use kvsight_protocol::Phase;
 
+use crate::body::{BodyKind, PromptInput};
 use crate::error::ApiError;
-use crate::proxy::{self, Kind};
+use crate::heavy::INLINE_BYTES;
+use crate::proxy::{self, Kind, ReadRequest};
 use crate::state::State;
 use crate::tokenize::Verdict;
 
 type S = AxState<Arc<State>>;
 
-/// The router's HTTP application.
+/// The router's API: the OpenAI paths kvsight serves, and the probes. Everything an operator
+/// reads about the fleet (metrics, `/debug/pods`) is on [`admin_app`] instead, on its own
+/// listener, so a client of the API never sees pod addresses, loads or tokenizer digests.
 pub fn app(state: Arc<State>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
@@ -33,13 +38,45 @@ pub fn app(state: Arc<State>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .route("/debug/pods", get(debug_pods))
         .fallback(not_found)
         // The limit is enforced per request from the live config (it may be reloaded), with an
         // OpenAI-shaped 413 instead of axum's plain-text one.
         .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(state.clone(), head_limit))
         .with_state(state)
+}
+
+/// The admin surface, for the admin listener (loopback by default; in the chart, reachable by
+/// Prometheus only): `/metrics`, `/debug/pods`, and the probes.
+pub fn admin_app(state: Arc<State>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/debug/pods", get(debug_pods))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), head_limit))
+        .with_state(state)
+}
+
+/// Refuses a request whose head is over `limits.headerBytes` (431), counted as hyper would
+/// write it: hyper's own bound applies to its read buffer, and a head that arrives in one
+/// large read can pass it.
+async fn head_limit(AxState(state): S, req: Request, next: Next) -> Response {
+    let limit = state.live().config.limits.header_bytes;
+    let line = req.method().as_str().len()
+        + req.uri().path_and_query().map_or(1, |p| p.as_str().len())
+        + "  HTTP/1.1\r\n".len();
+    let head = req.headers().iter().fold(line + 2, |n, (k, v)| {
+        n + k.as_str().len() + v.len() + ": \r\n".len()
+    });
+    if head > limit {
+        let e = ApiError::HeadTooLarge { limit };
+        state.metrics.refused("header_bytes");
+        tracing::warn!(head, limit, "request head over the limit refused");
+        return e.into_response();
+    }
+    next.run(req).await
 }
 
 async fn completions(AxState(state): S, req: Request) -> Response {
@@ -184,11 +221,17 @@ async fn debug_pods(AxState(state): S) -> axum::Json<Value> {
 
 /// vLLM's `POST /tokenize`. Answered locally with the model's tokenizer when the router has it;
 /// otherwise forwarded to a Ready pod serving the model, so the ids are always the engine's
-/// (approximate pseudo-tokens are never shown to a client).
+/// (approximate pseudo-tokens are never shown to a client). A large body is parsed and
+/// tokenized in the heavy pool, and the answer is written without building a value per token.
 async fn tokenize(AxState(state): S, req: Request) -> Result<Response, ApiError> {
     let live = state.live();
     let (parts, body) = req.into_parts();
-    let (bytes, json, model) = proxy::read_request(&state, &live, &parts.headers, body).await?;
+    let ReadRequest {
+        bytes,
+        parsed,
+        hold: _hold,
+    } = proxy::read_request(&state, &live, &parts.headers, body, BodyKind::Tokenize).await?;
+    let model = parsed.model;
     let now = Instant::now();
     let target = {
         let reg = state.registry();
@@ -205,31 +248,40 @@ async fn tokenize(AxState(state): S, req: Request) -> Result<Response, ApiError>
             .iter()
             .filter(|p| p.phase() == Phase::Ready && !p.is_stale(now))
             .min_by_key(|p| p.inflight)
-            .map(|p| p.hello.pod.url.clone());
+            .map(|p| (p.key.clone(), p.hello.pod.url.clone()));
         (max_len, ready)
     };
     if let Some(tok) = state.tokenizers.get(&model) {
-        let chat = json.get("messages").is_some();
-        let tokens = if chat {
-            tok.encode_chat(&json)
-        } else {
-            match json.get("prompt") {
-                Some(Value::String(s)) => tok.encode_completion(s),
-                _ => {
-                    return Err(ApiError::BadParam {
-                        message: "`prompt` (a string) or `messages` is required".into(),
-                        param: "prompt",
-                    });
-                }
-            }
+        let input = parsed.input;
+        if !matches!(input, PromptInput::Chat(_) | PromptInput::Text(_)) {
+            return Err(ApiError::BadParam {
+                message: "`prompt` (a string) or `messages` is required".into(),
+                param: "prompt",
+            });
         }
-        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
-        return Ok(axum::Json(
-            json!({"count": tokens.len(), "max_model_len": target.0, "tokens": tokens}),
-        )
-        .into_response());
+        let max_model_len = target.0;
+        let job = move || -> Result<Vec<u8>, ApiError> {
+            let tokens = match input {
+                PromptInput::Chat(fields) => tok.encode_chat(&fields),
+                PromptInput::Text(s) => tok.encode_completion(&s),
+                _ => Ok(Vec::new()),
+            }
+            .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+            let answer = TokenizeAnswer {
+                count: tokens.len(),
+                max_model_len,
+                tokens: &tokens,
+            };
+            serde_json::to_vec(&answer).map_err(|e| ApiError::Internal(e.to_string()))
+        };
+        let body = if bytes.len() <= INLINE_BYTES {
+            job()?
+        } else {
+            state.heavy.run(job).await??
+        };
+        return Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response());
     }
-    let url = target
+    let (pod, url) = target
         .1
         .ok_or_else(|| ApiError::NoReadyPod(model.clone()))?;
     let mut headers = proxy::end_to_end(&parts.headers);
@@ -241,21 +293,38 @@ async fn tokenize(AxState(state): S, req: Request) -> Result<Response, ApiError>
         .headers(headers)
         .body(bytes)
         .send();
-    let resp = tokio::time::timeout(live.config.timeouts.request(), send)
+    let deadline = live.config.timeouts.request();
+    let upstream = |message: String| ApiError::Upstream {
+        pod: pod.clone(),
+        message,
+    };
+    let resp = tokio::time::timeout(deadline, send)
         .await
-        .map_err(|_| ApiError::Deadline(live.config.timeouts.request()))?
-        .map_err(|e| ApiError::Upstream {
-            pod: url.clone(),
-            message: e.to_string(),
-        })?;
+        .map_err(|_| ApiError::Deadline(deadline))?
+        .map_err(|e| upstream(proxy::error_chain(&e.without_url())))?;
     let status = resp.status();
     let headers = proxy::end_to_end(resp.headers());
-    let body = resp.bytes().await.map_err(|e| ApiError::Upstream {
-        pod: url,
-        message: e.to_string(),
-    })?;
+    let body = proxy::read_upstream_body(
+        resp,
+        MAX_TOKENIZE_ANSWER_BYTES,
+        live.config.timeouts.body_read(),
+    )
+    .await
+    .map_err(|e| upstream(e.to_string()))?;
     let mut out = Response::new(Body::from(body));
     *out.status_mut() = status;
     *out.headers_mut() = headers;
     Ok(out)
+}
+
+/// Largest `/tokenize` answer read from a pod: the ids of a prompt of `limits.promptBytes`
+/// (8 MiB by default) written as JSON, with room to spare.
+pub const MAX_TOKENIZE_ANSWER_BYTES: usize = 64 << 20;
+
+/// vLLM's `/tokenize` answer, serialized straight from the ids.
+#[derive(serde::Serialize)]
+struct TokenizeAnswer<'a> {
+    count: usize,
+    max_model_len: Option<u32>,
+    tokens: &'a [u32],
 }

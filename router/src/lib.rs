@@ -5,11 +5,14 @@
 //! watcher and a graceful shutdown (`/ready` 503 → stop accepting → drain streams within a grace
 //! period → close QUIC).
 
+pub mod body;
 pub mod config;
 pub mod error;
 pub mod flow;
+pub mod heavy;
 pub mod homes;
 pub mod http;
+pub mod identity;
 pub mod metrics;
 pub mod pods;
 pub mod proxy;
@@ -40,8 +43,12 @@ use crate::tokenize::TokenizerLoader;
 /// The sockets the router serves, bound by the caller (so tests bind `127.0.0.1:0`).
 #[derive(Debug)]
 pub struct Listeners {
+    /// The OpenAI API and the probes ([`http::app`]).
     pub http: tokio::net::TcpListener,
     pub quic: std::net::UdpSocket,
+    /// `/metrics`, `/debug/pods` and the probes ([`http::admin_app`]); `None` serves them
+    /// nowhere. Never the API's listener: the admin surface names pods and their addresses.
+    pub admin: Option<tokio::net::TcpListener>,
 }
 
 /// Everything [`run`] needs besides sockets.
@@ -62,6 +69,9 @@ pub struct RunConfig {
     /// Builds tokenizers from files sidecars send; `None` keeps approximate prefix mode for
     /// models whose tokenizer is not configured locally.
     pub tokenizer_loader: Option<TokenizerLoader>,
+    /// Answer `x-kvsight-debug: 1` with the `x-kvsight-decision` header (pod, scores). Off by
+    /// default: the header tells any client which pods exist and how loaded they are.
+    pub decision_header: bool,
 }
 
 impl std::fmt::Debug for RunConfig {
@@ -98,6 +108,7 @@ pub fn build_state(cfg: &RunConfig, shutdown: &CancellationToken) -> Result<Arc<
         cfg.tokenizer_loader.clone(),
         shutdown.clone(),
     )?;
+    state.set_decision_header(cfg.decision_header);
     for (model, dir) in &cfg.config.tokenizers {
         let err = |message: String| RunError::Tokenizer {
             model: model.clone(),
@@ -106,7 +117,9 @@ pub fn build_state(cfg: &RunConfig, shutdown: &CancellationToken) -> Result<Arc<
         let files = kvsight_process::tokenizer_dir::read(dir)
             .map_err(|e| err(format!("{}: {e}", dir.display())))?;
         let tok = tokenize::model_tokenizer(&files).map_err(|e| err(e.to_string()))?;
-        state.tokenizers.insert(model, files.digest(), tok);
+        state
+            .tokenizers
+            .insert_configured(model, files.digest(), tok);
         info!(%model, dir = %dir.display(), "local tokenizer loaded");
     }
     Ok(state)
@@ -160,6 +173,17 @@ pub async fn serve(
     }
 
     let check_task = tokio::spawn(tokenizer_check::run(state.clone(), watch_stop.clone()));
+    // The admin listener outlives the HTTP drain: `/ready` answers 503 there too, and metrics
+    // stay readable until the router stops.
+    let admin_stop = CancellationToken::new();
+    let admin_task = listeners.admin.map(|admin| {
+        tokio::spawn(server::serve(
+            admin,
+            http::admin_app(state.clone()),
+            state.clone(),
+            admin_stop.clone(),
+        ))
+    });
 
     let http_stop = CancellationToken::new();
     let server = server::serve(
@@ -192,6 +216,10 @@ pub async fn serve(
     let _ = check_task.await;
     quic_stop.cancel();
     let _ = quic_task.await;
+    admin_stop.cancel();
+    if let Some(task) = admin_task {
+        let _ = task.await;
+    }
     info!("router stopped");
     result
 }

@@ -27,6 +27,14 @@ struct Args {
     /// HTTP listen address.
     #[arg(long, env = "KVSIGHT_LISTEN", default_value = "0.0.0.0:8080")]
     listen: SocketAddr,
+    /// Admin listen address: /metrics, /debug/pods and the probes, never on --listen. Loopback
+    /// by default; the Helm chart opens it to Prometheus only (NetworkPolicy).
+    #[arg(long, env = "KVSIGHT_ADMIN_LISTEN", default_value = "127.0.0.1:9091")]
+    admin_listen: SocketAddr,
+    /// Answer `x-kvsight-debug: 1` with the `x-kvsight-decision` header (chosen pod, scores).
+    /// Off by default: it shows any client of the API the pods and their load.
+    #[arg(long, env = "KVSIGHT_DECISION_HEADER")]
+    decision_header: bool,
     /// QUIC listen address for sidecars.
     #[arg(long, env = "KVSIGHT_QUIC_LISTEN", default_value = "0.0.0.0:4433")]
     quic_listen: SocketAddr,
@@ -150,6 +158,7 @@ fn prepare(args: &Args) -> Result<RunConfig, String> {
         grace: secs("grace-seconds", args.grace_seconds)?,
         tokenizer_loader: (!args.no_sidecar_tokenizers)
             .then(kvsight_router::tokenize::default_loader),
+        decision_header: args.decision_header,
     })
 }
 
@@ -160,6 +169,12 @@ async fn serve(args: &Args, cfg: RunConfig) -> anyhow::Result<()> {
     kvsight_process::signal::on_termination(move || signal.cancel());
     let http = tokio::net::TcpListener::bind(args.listen).await?;
     let quic = std::net::UdpSocket::bind(args.quic_listen)?;
-    kvsight_router::run(Listeners { http, quic }, cfg, shutdown).await?;
+    let admin = tokio::net::TcpListener::bind(args.admin_listen).await?;
+    let listeners = Listeners {
+        http,
+        quic,
+        admin: Some(admin),
+    };
+    kvsight_router::run(listeners, cfg, shutdown).await?;
     Ok(())
 }

@@ -66,6 +66,13 @@ pub struct Metrics {
     pub tokenizer_checks: Family<Labels, Counter>,
     /// 1 per model for the dialect its prompts are tokenized in (absent in approximate mode).
     tokenizer_dialect: Family<Labels, Gauge>,
+    /// Bytes of request bodies held now (read, being read, or parsed as estimated).
+    pub inflight_body_bytes: Gauge,
+    /// Heavy jobs admitted (waiting for a thread or running), and those running.
+    pub heavy_jobs: Gauge,
+    pub heavy_jobs_running: Gauge,
+    /// Tokenizers a sidecar sent that were not taken, by reason.
+    tokenizers_refused: Family<Labels, Counter>,
     pods: Family<Labels, Gauge>,
     inflight: Family<Labels, Gauge>,
     unrouted: Family<Labels, Gauge>,
@@ -114,6 +121,10 @@ impl Metrics {
             prefix_mode: Family::default(),
             tokenizer_checks: Family::default(),
             tokenizer_dialect: Family::default(),
+            inflight_body_bytes: Gauge::default(),
+            heavy_jobs: Gauge::default(),
+            heavy_jobs_running: Gauge::default(),
+            tokenizers_refused: Family::default(),
             pods: Family::default(),
             inflight: Family::default(),
             unrouted: Family::default(),
@@ -247,6 +258,30 @@ impl Metrics {
             m.tokenizer_dialect.clone(),
         );
         prom.register(
+            "kvsight_router_inflight_body_bytes",
+            "Bytes of request bodies this replica holds now: read, being read, or parsed (as \
+             estimated); bounded by limits.inflightBodyBytes",
+            m.inflight_body_bytes.clone(),
+        );
+        prom.register(
+            "kvsight_router_heavy_jobs",
+            "Heavy jobs (tokenizing and parsing large bodies, building sidecars' tokenizers) \
+             admitted: waiting for a pool thread or running",
+            m.heavy_jobs.clone(),
+        );
+        prom.register(
+            "kvsight_router_heavy_jobs_running",
+            "Heavy jobs running on a pool thread",
+            m.heavy_jobs_running.clone(),
+        );
+        prom.register(
+            "kvsight_router_tokenizers_refused",
+            "Tokenizers a sidecar sent that were not taken, by reason (unserved: a model the \
+             sender does not serve, configured: the model's tokenizer comes from the config, \
+             unusable: the files do not build a tokenizer)",
+            m.tokenizers_refused.clone(),
+        );
+        prom.register(
             "kvsight_router_pods",
             "Registered pods by phase",
             m.pods.clone(),
@@ -309,6 +344,12 @@ impl Metrics {
 
     pub fn sidecar_refused(&self, reason: &'static str) {
         self.sidecars_refused
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    pub fn tokenizer_refused(&self, reason: &'static str) {
+        self.tokenizers_refused
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
     }

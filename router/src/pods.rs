@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use crate::homes::Homes;
 use kvsight_protocol::bloom::{BloomFilter, FilterError, PreparedChain};
 use kvsight_protocol::messages::{
-    CacheDelta, CacheSnapshot, Hello, Load, PackedChain, Phase, Placement, Routed,
+    CacheDelta, CacheSnapshot, Hello, Load, PackedChain, Phase, Placement, RecentPlacement, Routed,
 };
 
 /// Where this router's picks for a pod go to be relayed to the other replicas: the pod's QUIC
@@ -677,6 +677,30 @@ impl Registry {
             }
         }
         Ok(done)
+    }
+
+    /// Restores the homes of placements `key`'s sidecar remembered (sent after its snapshot on
+    /// every connect), received at `now`, `transit` after they were sent: a router that
+    /// (re)started learns where the running replicas placed each prefix, settled as a relayed
+    /// placement would be. Returns the depths handed over.
+    pub fn apply_recent(
+        &mut self,
+        key: &str,
+        conn: ConnId,
+        entries: &[RecentPlacement],
+        now: Instant,
+        transit: Duration,
+        homes_ttl: Duration,
+    ) -> Result<usize, RegistryError> {
+        self.owned(key, conn)?;
+        let mut handovers = 0;
+        for e in entries {
+            let age = Duration::from_millis(u64::from(e.age_ms)) + transit;
+            let at = now.checked_sub(age).unwrap_or(now);
+            let marks: Vec<(usize, u64)> = e.marks().collect();
+            handovers += self.homes.restore(key, &marks, at, homes_ttl);
+        }
+        Ok(handovers)
     }
 
     /// Records that a prompt's chain was routed to `key` for the `affinity` scorer and the

@@ -21,11 +21,11 @@ use tokio::time::{Instant as TokioInstant, sleep_until, timeout, timeout_at};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{Instrument, field, info_span, warn};
 
-use kvsight_protocol::openai::optional_bool;
-
+use crate::body::{self, BodyKind, Hold, ParsedBody, PromptInput};
 use crate::config::PoolConfig;
 use crate::error::{ApiError, error_body};
 use crate::flow;
+use crate::heavy::INLINE_BYTES;
 use crate::scheduler::{Decision, Gate, PickError, PickRequest, PromptHashes, Scheduler};
 use crate::sight::UsageTap;
 use crate::state::{Live, State};
@@ -85,32 +85,31 @@ pub fn end_to_end(src: &HeaderMap) -> HeaderMap {
     out
 }
 
-/// Reads the whole body or fails with 413 naming the limit.
-pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let inner = e.into_inner();
-        if inner
-            .downcast_ref::<http_body_util::LengthLimitError>()
-            .is_some()
-        {
-            ApiError::BodyTooLarge { limit }
-        } else {
-            ApiError::BadRequest(format!("could not read the request body: {inner}"))
-        }
-    })
+pub use crate::body::json_deeper_than;
+
+/// A body read and checked: its bytes (forwarded as they came), what the router read from them,
+/// and its share of the body budget, held until the request has been sent on.
+#[derive(Debug)]
+pub struct ReadRequest {
+    pub bytes: Bytes,
+    pub parsed: ParsedBody,
+    pub hold: Hold,
 }
 
-/// Reads a generation or `/tokenize` body under the live limits and parses it: a declared
-/// `Content-Length` over `limits.bodyBytes` is refused before any byte is read, the body must
-/// arrive within `timeouts.bodyReadSeconds`, and nesting, chat messages and prompt text are
-/// bounded before tokenizing. Every refusal is counted by reason and logged.
+/// Reads a generation or `/tokenize` body under the live limits and parses what the router
+/// needs from it: a declared `Content-Length` over `limits.bodyBytes` is refused before any
+/// byte is read, the body is held within `limits.inflightBodyBytes` for the replica and must
+/// arrive within `timeouts.bodyReadSeconds`, and nesting, chat messages, prompt bytes and JSON
+/// values are bounded before anything is parsed into values or tokenized. A large body is
+/// parsed in the heavy pool. Every refusal is counted by reason and logged.
 pub async fn read_request(
     state: &State,
     live: &Live,
     headers: &HeaderMap,
     body: Body,
-) -> Result<(Bytes, Value, String), ApiError> {
-    let result = read_checked(live, headers, body).await;
+    kind: BodyKind,
+) -> Result<ReadRequest, ApiError> {
+    let result = read_checked(state, live, headers, body, kind).await;
     if let Err(e) = &result
         && let Some(reason) = e.refusal()
     {
@@ -121,10 +120,12 @@ pub async fn read_request(
 }
 
 async fn read_checked(
+    state: &State,
     live: &Live,
     headers: &HeaderMap,
     body: Body,
-) -> Result<(Bytes, Value, String), ApiError> {
+    kind: BodyKind,
+) -> Result<ReadRequest, ApiError> {
     let limits = &live.config.limits;
     let limit = limits.body_bytes;
     // hyper has already refused a malformed or repeated Content-Length (400), so one value is
@@ -137,104 +138,113 @@ async fn read_checked(
         return Err(ApiError::BodyTooLarge { limit });
     }
     let read_time = live.config.timeouts.body_read();
-    let bytes = timeout(read_time, read_body(body, limit))
+    let read = body::read_body(
+        body,
+        limit,
+        declared,
+        &state.bodies,
+        limits.inflight_body_bytes,
+    );
+    let (bytes, mut hold) = timeout(read_time, read)
         .await
         .map_err(|_| ApiError::BodyTimeout(read_time))??;
-    if json_deeper_than(&bytes, limits.json_depth) {
-        return Err(ApiError::TooDeep {
-            limit: limits.json_depth,
-        });
-    }
-    let (json, model) = parse_body(&bytes)?;
-    if let Some(Value::Array(messages)) = json.get("messages")
-        && messages.len() > limits.chat_messages
-    {
-        return Err(ApiError::TooManyMessages {
-            count: messages.len(),
-            limit: limits.chat_messages,
-        });
-    }
-    let text = ["prompt", "messages"]
-        .iter()
-        .filter_map(|k| json.get(*k))
-        .map(text_bytes)
-        .sum::<usize>();
-    if text > limits.prompt_bytes {
-        return Err(ApiError::PromptTooLarge {
-            bytes: text,
-            limit: limits.prompt_bytes,
-        });
-    }
-    Ok((bytes, json, model))
-}
-
-/// Whether JSON text nests arrays and objects deeper than `limit`, by one pass over the bytes
-/// (brackets inside strings do not count), so a hostile body never reaches the recursive parser.
-pub fn json_deeper_than(bytes: &[u8], limit: usize) -> bool {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for &b in bytes {
-        if in_string {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > limit {
-                    return true;
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    false
-}
-
-/// Keys of chat content parts whose strings are media (base64 images, audio, video), not text
-/// the tokenizer reads.
-const MEDIA_KEYS: [&str; 5] = ["image_url", "input_audio", "audio_url", "video_url", "file"];
-
-/// Bytes of text in a `prompt` or `messages` value: every string, except media payloads.
-fn text_bytes(v: &Value) -> usize {
-    match v {
-        Value::String(s) => s.len(),
-        Value::Array(items) => items.iter().map(text_bytes).sum(),
-        Value::Object(fields) => fields
-            .iter()
-            .filter(|(k, _)| !MEDIA_KEYS.contains(&k.as_str()))
-            .map(|(_, v)| text_bytes(v))
-            .sum(),
-        _ => 0,
-    }
-}
-
-/// Parses a JSON object body and its `model`.
-pub fn parse_body(bytes: &[u8]) -> Result<(Value, String), ApiError> {
-    let json: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::BadRequest(format!("the request body is not valid JSON: {e}")))?;
-    if !json.is_object() {
-        return Err(ApiError::BadRequest(
-            "the request body must be a JSON object".into(),
-        ));
-    }
-    let model = match json.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        _ => {
-            return Err(ApiError::BadParam {
-                message: "`model` is required and must be a non-empty string".into(),
-                param: "model",
-            });
-        }
+    let parsed = if bytes.len() <= INLINE_BYTES {
+        body::parse_request(&bytes, limits, kind)?
+    } else {
+        let (b, l) = (bytes.clone(), limits.clone());
+        state
+            .heavy
+            .run(move || body::parse_request(&b, &l, kind))
+            .await??
     };
-    Ok((json, model))
+    if !hold.grow(parsed.parsed_bytes(), limits.inflight_body_bytes) {
+        return Err(ApiError::BodyBudget {
+            limit: limits.inflight_body_bytes,
+        });
+    }
+    Ok(ReadRequest {
+        bytes,
+        parsed,
+        hold,
+    })
 }
+
+/// Tokenizes `input` for `model`: on this worker for a small body, in the heavy pool for a
+/// large one.
+pub async fn tokenize_prompt(
+    state: &Arc<State>,
+    model: &str,
+    input: PromptInput,
+    body_len: usize,
+) -> Result<Prompt, ApiError> {
+    let bad = |e: tokenize::TokenizeError| ApiError::BadRequest(e.to_string());
+    if body_len <= INLINE_BYTES {
+        return tokenize::prompt_tokens(&state.tokenizers, model, input).map_err(bad);
+    }
+    let (st, model) = (state.clone(), model.to_owned());
+    state
+        .heavy
+        .run(move || tokenize::prompt_tokens(&st.tokenizers, &model, input))
+        .await?
+        .map_err(bad)
+}
+
+/// The model whose tokenizer a request for `model` is tokenized with: vLLM tokenizes an
+/// adapter's request with its base model's tokenizer (the adapters it loads carry none), so an
+/// adapter name without a tokenizer of its own borrows its base's.
+fn tokenizer_model(state: &State, model: &str) -> String {
+    if state.tokenizers.get(model).is_some() {
+        return model.to_owned();
+    }
+    state
+        .registry()
+        .pods()
+        .find(|p| p.is_lora(model))
+        .and_then(|p| p.hello.models.first().cloned())
+        .unwrap_or_else(|| model.to_owned())
+}
+
+/// Why a body read whole from a pod was not read.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamBodyError {
+    #[error("the answer exceeds {0} bytes")]
+    TooLarge(usize),
+    #[error("the answer did not arrive within {0:?}")]
+    Timeout(Duration),
+    #[error("the answer broke off: {0}")]
+    Broken(String),
+}
+
+/// Reads a pod's answer whole: at most `cap` bytes, within `within`.
+pub async fn read_upstream_body(
+    mut resp: reqwest::Response,
+    cap: usize,
+    within: Duration,
+) -> Result<Bytes, UpstreamBodyError> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(UpstreamBodyError::TooLarge(cap));
+    }
+    let read = async {
+        let mut buf = Vec::new();
+        while let Some(chunk) = resp
+            .chunk()
+            .await
+            .map_err(|e| UpstreamBodyError::Broken(error_chain(&e.without_url())))?
+        {
+            if buf.len() + chunk.len() > cap {
+                return Err(UpstreamBodyError::TooLarge(cap));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(buf))
+    };
+    timeout(within, read)
+        .await
+        .map_err(|_| UpstreamBodyError::Timeout(within))?
+}
+
+/// Largest error body read from a pod (to tell vLLM's context-length 400 from another).
+pub const MAX_ERROR_BODY_BYTES: usize = 1 << 20;
 
 /// Calls `record_done` for the pod when the request ends, whatever the outcome (also when the
 /// client goes away mid-stream and the pump is dropped).
@@ -310,6 +320,8 @@ struct Prepared {
     kind: Kind,
     model: String,
     body: Bytes,
+    /// The body's share of the body budget, given back when the request has been sent on.
+    _hold: Hold,
     prompt: Prompt,
     cache_salt: Option<String>,
     /// The headers sent to the pod (end-to-end ones, the request id, no debug flag).
@@ -420,14 +432,23 @@ async fn forward(
     if state.is_draining() {
         return Err(ApiError::ShuttingDown);
     }
-    let (bytes, json, model) = read_request(state, &live, in_headers, body).await?;
+    let body_kind = match kind {
+        Kind::Completion => BodyKind::Completion,
+        Kind::Chat => BodyKind::Chat,
+    };
+    let ReadRequest {
+        bytes,
+        parsed,
+        hold,
+    } = read_request(state, &live, in_headers, body, body_kind).await?;
     // Read as vLLM will read it, and refused here as vLLM would refuse it (before a pod is
     // picked and charged with the request). The answer's content type, not this flag, decides
     // how a cut stream ends: the pod's answer is the truth.
-    optional_bool(&json, "stream", false).map_err(|e| ApiError::BadParam {
+    parsed.stream.map_err(|e| ApiError::BadParam {
         message: e.validation_message("stream"),
         param: "body.stream",
     })?;
+    let model = parsed.model;
     let pool = live.config.pool_for(&model);
     if pool.is_none() && !state.registry().pods().any(|p| p.serves(&model)) {
         return Err(ApiError::UnknownModel(model));
@@ -435,8 +456,13 @@ async fn forward(
     route.set(pool, "");
 
     let started = Instant::now();
-    let prompt = tokenize::prompt_tokens(&state.tokenizers, &model, kind == Kind::Chat, &json)
-        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let prompt = tokenize_prompt(
+        state,
+        &tokenizer_model(state, &model),
+        parsed.input,
+        bytes.len(),
+    )
+    .await?;
     state
         .metrics
         .tokenize_seconds
@@ -453,15 +479,14 @@ async fn forward(
     }
     let req = Arc::new(Prepared {
         kind,
-        cache_salt: json
-            .get("cache_salt")
-            .and_then(Value::as_str)
-            .map(str::to_owned),
+        cache_salt: parsed.cache_salt,
         model,
         body: bytes,
+        _hold: hold,
         prompt,
         headers,
-        debug: in_headers.get(DEBUG).is_some_and(|v| v.as_bytes() == b"1"),
+        debug: state.decision_header()
+            && in_headers.get(DEBUG).is_some_and(|v| v.as_bytes() == b"1"),
         deadline,
         started,
     });
@@ -508,9 +533,10 @@ async fn try_once<'a>(
         .body(req.body.clone())
         .send();
     let past_deadline = || ApiError::Deadline(live.config.timeouts.request());
-    let upstream_failed = |e: &reqwest::Error| ApiError::Upstream {
+    // The pod's URL stays out of the client's answer: it names the cluster's inside.
+    let upstream_failed = |e: reqwest::Error| ApiError::Upstream {
         pod: decision.pod.clone(),
-        message: error_chain(e),
+        message: error_chain(&e.without_url()),
     };
     let upstream = match timeout_at(req.deadline, send).await {
         Err(_) => return Err(past_deadline()),
@@ -521,7 +547,7 @@ async fn try_once<'a>(
                 pod: decision.pod,
             }));
         }
-        Ok(Err(e)) => return Err(upstream_failed(&e)),
+        Ok(Err(e)) => return Err(upstream_failed(e)),
         Ok(Ok(r)) => r,
     };
     let fallback = pool
@@ -534,11 +560,17 @@ async fn try_once<'a>(
         // A 400 is small and final: read it to see whether it is the context-length error.
         let status = upstream.status();
         let up_headers = end_to_end(upstream.headers());
-        let body = match timeout_at(req.deadline, upstream.bytes()).await {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => return Err(upstream_failed(&e)),
-            Err(_) => return Err(past_deadline()),
-        };
+        let within = live
+            .config
+            .timeouts
+            .body_read()
+            .min(req.deadline.saturating_duration_since(TokioInstant::now()));
+        let body = read_upstream_body(upstream, MAX_ERROR_BODY_BYTES, within)
+            .await
+            .map_err(|e| ApiError::Upstream {
+                pod: decision.pod.clone(),
+                message: e.to_string(),
+            })?;
         if is_context_length_error(&body) {
             return Ok(Step::Retry(Retry::ContextFallback { pool: fallback }));
         }
@@ -727,7 +759,8 @@ pub fn is_context_length_error(body: &[u8]) -> bool {
     msg.contains("maximum context length") || msg.contains("The decoder prompt (length")
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// An error and its sources, on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(inner) = src {
@@ -870,7 +903,7 @@ async fn pump(
                     "upstream",
                     ApiError::Upstream {
                         pod: done.pod.clone(),
-                        message: error_chain(&e),
+                        message: error_chain(&e.without_url()),
                     },
                 ));
             }

@@ -7,7 +7,8 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
 
 use tokio::time::{Instant, MissedTickBehavior, timeout};
 use tokio_util::sync::CancellationToken;
@@ -15,16 +16,17 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use kvsight_protocol::frame::FrameError;
-use kvsight_protocol::tokenizer_transfer::TokenizerAssembler;
+use kvsight_protocol::tokenizer_transfer::{TokenizerAssembler, TokenizerFiles};
 use kvsight_protocol::{
-    CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Refused, RouterMessage,
-    SidecarMessage, TokenizerRequest, Welcome,
+    CloseReason, Goodbye, Hello, Inflight, PROTOCOL_VERSION, Placement, RecentPlacement, Refused,
+    RouterMessage, SidecarMessage, TokenizerRequest, Welcome,
 };
-use kvsight_transport::{FramedRecv, FramedSend, TransportError};
+use kvsight_transport::{FramedRecv, FramedSend, PeerCertificate, TransportError};
 use tokio::sync::mpsc;
 
 use crate::config::PodsConfig;
-use crate::pods::RegistryError;
+use crate::identity::check_name;
+use crate::pods::{RegistryError, pod_key};
 use crate::state::State;
 
 /// How long a new connection may take to open its stream and say `Hello`.
@@ -42,6 +44,7 @@ pub const OUTBOX: usize = 1024;
 pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: CancellationToken) {
     // Connections have their own tracker: the HTTP drain waits for streams, not for pods.
     let conns = TaskTracker::new();
+    let open = Arc::new(AtomicUsize::new(0));
     loop {
         let incoming = tokio::select! {
             _ = stop.cancelled() => break,
@@ -50,6 +53,14 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: Cancellat
                 None => break,
             },
         };
+        let max = state.live().config.pods.max_connections;
+        let Some(slot) = Slot::take(&open, max) else {
+            // Refused before the handshake: a flood of connections costs no TLS work.
+            state.metrics.sidecar_refused("connections");
+            warn!(max, remote = %incoming.remote_address(), "sidecar connection over the limit refused");
+            incoming.refuse();
+            continue;
+        };
         let (state, stop) = (state.clone(), stop.clone());
         let remote = incoming.remote_address();
         conns.spawn(
@@ -57,6 +68,7 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: Cancellat
                 if let Err(e) = connection(incoming, state, stop).await {
                     debug!(error = %e, "sidecar connection ended");
                 }
+                drop(slot);
             }
             .instrument(info_span!("sidecar", %remote)),
         );
@@ -66,6 +78,26 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: Cancellat
     let _ = timeout(CLOSE_GRACE, conns.wait()).await;
     endpoint.close(CloseReason::Shutdown.code().into(), b"router shutting down");
     let _ = timeout(CLOSE_GRACE, endpoint.wait_idle()).await;
+}
+
+/// One open sidecar connection, counted while it lives.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 fn close(conn: &quinn::Connection, reason: CloseReason, msg: &str) {
@@ -119,6 +151,41 @@ async fn connection(
         warn!(pod = %hello.pod.name, url = %hello.pod.url, %peer, %reason, "refusing sidecar");
         return refuse(&conn, &mut send, reason, CloseReason::ProtocolViolation).await;
     }
+    // The pod name must be one the certificate grants, and not held by another certificate.
+    let cert = PeerCertificate::of(&conn);
+    let key = pod_key(&hello);
+    let claim = check_name(
+        pods.identity,
+        cert.as_ref(),
+        &hello.pod.namespace,
+        &hello.pod.name,
+    )
+    .and_then(|()| {
+        let fingerprint = cert.as_ref().map_or([0; 32], |c| c.fingerprint);
+        state.owners.claim(&key, fingerprint)
+    });
+    let claim = match claim {
+        Ok(c) => c,
+        Err(e) => {
+            state.metrics.sidecar_refused(e.reason());
+            let reason = format!("pod name refused: {e}");
+            warn!(pod = %key, %peer, %reason, "refusing sidecar");
+            return refuse(&conn, &mut send, reason, CloseReason::ProtocolViolation).await;
+        }
+    };
+    let full = {
+        let reg = state.registry();
+        reg.len() >= pods.max_pods && reg.get(&key).is_none()
+    };
+    if full {
+        state.metrics.sidecar_refused("pods");
+        let reason = format!(
+            "this router has {} pods registered, its limit",
+            pods.max_pods
+        );
+        warn!(pod = %key, %reason, "refusing sidecar");
+        return refuse(&conn, &mut send, reason, CloseReason::Shutdown).await;
+    }
     send.send(&RouterMessage::Welcome(Welcome {
         protocol_version: PROTOCOL_VERSION,
         router_id: state.router_id.clone(),
@@ -138,12 +205,15 @@ async fn connection(
         conn: &conn,
         stop: &stop,
         interval,
+        expires: cert.map(|c| c.not_after),
+        messages_per_second: pods.messages_per_second,
     };
     let result = session
         .run(&mut send, &mut recv)
         .instrument(span.clone())
         .await;
     state.registry().unregister(&key, conn_id);
+    drop(claim);
     info!(parent: &span, "pod unregistered");
     result
 }
@@ -254,9 +324,58 @@ pub async fn check_advertised_url(
     }
 }
 
+/// Takes a tokenizer a sidecar sent, if it is the one this connection asked for, for a model
+/// the sidecar serves, and the config names none for it; it is built in the heavy pool.
+fn accept_tokenizer(
+    state: &Arc<State>,
+    hello: &Hello,
+    requested: Option<&str>,
+    model: String,
+    files: TokenizerFiles,
+) {
+    let refused = if requested != Some(model.as_str()) {
+        Some("unsolicited")
+    } else if !hello.models.contains(&model) {
+        Some("unserved")
+    } else if state.tokenizers.is_configured(&model) {
+        Some("configured")
+    } else {
+        None
+    };
+    if let Some(reason) = refused {
+        state.metrics.tokenizer_refused(reason);
+        warn!(%model, reason, "tokenizer from the sidecar refused");
+        return;
+    }
+    let st = state.clone();
+    tokio::spawn(
+        async move {
+            let build = {
+                let st = st.clone();
+                move || st.tokenizers.build(&files).map(|tok| (files.digest(), tok))
+            };
+            match st.heavy.run_waiting(build).await {
+                Ok(Ok((digest, tok))) => {
+                    if st.tokenizers.insert_received(&model, digest, tok) {
+                        info!(%model, "tokenizer received");
+                    } else {
+                        st.metrics.tokenizer_refused("configured");
+                    }
+                }
+                Ok(Err(e)) => {
+                    st.metrics.tokenizer_refused("unusable");
+                    warn!(%model, error = %e, "tokenizer unusable");
+                }
+                Err(e) => warn!(%model, error = %e, "building the tokenizer failed"),
+            }
+        }
+        .instrument(tracing::Span::current()),
+    );
+}
+
 /// A registered sidecar's connection: what its session loop reads and answers.
 struct Session<'a> {
-    state: &'a State,
+    state: &'a Arc<State>,
     hello: &'a Hello,
     /// The pod's registry key, and this connection's id under it (a newer connection of the
     /// same pod replaces this one).
@@ -268,9 +387,119 @@ struct Session<'a> {
     /// How often the sidecar hears this router's in-flight count for its pod (its load
     /// interval, clamped).
     interval: Duration,
+    /// When the sidecar's certificate expires: the connection is closed then (the handshake
+    /// checked it once; a connection must not outlive it).
+    expires: Option<SystemTime>,
+    /// `pods.messagesPerSecond` when the connection was accepted.
+    messages_per_second: u32,
+}
+
+/// A token bucket over a connection's messages: `rate` per second, a second's worth of burst.
+struct Bucket {
+    rate: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(rate: u32) -> Self {
+        let rate = f64::from(rate.max(1));
+        Bucket {
+            rate,
+            tokens: rate,
+            at: Instant::now(),
+        }
+    }
+
+    /// Takes one message; returns how long to wait before reading the next.
+    fn take(&mut self) -> Duration {
+        let now = Instant::now();
+        let refill = now.duration_since(self.at).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.rate) - 1.0;
+        self.at = now;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.rate)
+        }
+    }
 }
 
 impl Session<'_> {
+    /// Asks for the primary model's tokenizer when the sidecar has one and this router has not
+    /// (and the config does not name one for it: a configured tokenizer is never replaced);
+    /// returns the model asked for.
+    async fn request_tokenizer(
+        &self,
+        send: &mut FramedSend,
+    ) -> Result<Option<String>, TransportError> {
+        let (state, hello) = (self.state, self.hello);
+        if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
+            && state.tokenizers.can_load()
+            && !state.tokenizers.is_configured(model)
+            && !state.tokenizers.has(model, Some(&info.digest))
+        {
+            send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
+                model: model.clone(),
+            }))
+            .await?;
+            return Ok(Some(model.clone()));
+        }
+        Ok(None)
+    }
+
+    /// Other replicas' placements on this pod, while sharing is on.
+    fn placements(
+        &self,
+        entries: &[Placement],
+        now: std::time::Instant,
+    ) -> Result<(), RegistryError> {
+        let Some(policy) = self.state.live().scheduler.peer_policy() else {
+            return Ok(());
+        };
+        let transit = self.conn.rtt() / 2;
+        let done = self.state.registry().apply_placements(
+            self.key,
+            self.conn_id,
+            entries,
+            now,
+            transit,
+            policy,
+        )?;
+        let metrics = &self.state.metrics;
+        metrics.placements("received", done.placements as u64);
+        metrics.home_handovers.inc_by(done.handovers as u64);
+        Ok(())
+    }
+
+    /// The homes the sidecar remembered, while sharing and homes are on.
+    fn recent(
+        &self,
+        entries: &[RecentPlacement],
+        now: std::time::Instant,
+    ) -> Result<(), RegistryError> {
+        let Some(ttl) = self
+            .state
+            .live()
+            .scheduler
+            .peer_policy()
+            .and_then(|p| p.homes_ttl)
+        else {
+            return Ok(());
+        };
+        let transit = self.conn.rtt() / 2;
+        let handed = self.state.registry().apply_recent(
+            self.key,
+            self.conn_id,
+            entries,
+            now,
+            transit,
+            ttl,
+        )?;
+        self.state.metrics.home_handovers.inc_by(handed as u64);
+        Ok(())
+    }
+
     /// Serves the connection until either side ends it: in-flight counts out, loads, filter
     /// snapshots and deltas and tokenizer chunks in.
     async fn run(
@@ -286,18 +515,25 @@ impl Session<'_> {
             conn,
             stop,
             interval,
+            expires,
+            messages_per_second,
         } = *self;
         let mut assembler = TokenizerAssembler::new();
-        // The primary model's tokenizer, when the sidecar has one and this router has not.
-        if let (Some(model), Some(info)) = (hello.models.first(), &hello.tokenizer)
-            && state.tokenizers.can_load()
-            && !state.tokenizers.has(model, Some(&info.digest))
-        {
-            send.send(&RouterMessage::TokenizerRequest(TokenizerRequest {
-                model: model.clone(),
-            }))
-            .await?;
-        }
+        let mut bucket = Bucket::new(messages_per_second);
+        // A connection lives no longer than its certificate.
+        let expiry = expires.map(|t| {
+            Instant::now()
+                + t.duration_since(SystemTime::now())
+                    .unwrap_or(Duration::ZERO)
+        });
+        let expired = async {
+            match expiry {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut expired = std::pin::pin!(expired);
+        let requested = self.request_tokenizer(send).await?;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut seq = 0u64;
@@ -321,6 +557,12 @@ impl Session<'_> {
                 Some(routed) = picks.recv() => {
                     send.send(&RouterMessage::Routed(routed)).await?;
                 }
+                _ = &mut expired => {
+                    state.metrics.sidecar_refused("certificate_expired");
+                    warn!("the sidecar's certificate expired: closing its connection");
+                    close(conn, CloseReason::ProtocolViolation, "certificate expired");
+                    return Ok(());
+                }
                 _ = tick.tick() => {
                     seq += 1;
                     let requests = state.registry().get(key).map_or(0, |p| p.inflight);
@@ -335,6 +577,10 @@ impl Session<'_> {
                             return Err(e);
                         }
                     };
+                    let wait = bucket.take();
+                    if !wait.is_zero() {
+                        tokio::time::sleep(wait).await;
+                    }
                     let now = Instant::now().into_std();
                     let applied = match msg {
                         SidecarMessage::Load(l) => state.registry().apply_load(key, conn_id, l, now),
@@ -358,29 +604,15 @@ impl Session<'_> {
                         SidecarMessage::TokenizerChunk(c) => {
                             match assembler.push(c) {
                                 Ok(Some((model, files))) => {
-                                    match state.tokenizers.load_files(&model, &files) {
-                                        Ok(()) => info!(%model, "tokenizer received"),
-                                        Err(e) => warn!(%model, error = %e, "tokenizer unusable"),
-                                    }
+                                    accept_tokenizer(state, hello, requested.as_deref(), model, files);
                                 }
                                 Ok(None) => {}
                                 Err(e) => warn!(error = %e, "tokenizer transfer failed"),
                             }
                             Ok(())
                         }
-                        SidecarMessage::Placements(p) => match state.live().scheduler.peer_policy() {
-                            Some(policy) => {
-                                let transit = conn.rtt() / 2;
-                                let applied = state.registry().apply_placements(
-                                    key, conn_id, &p.entries, now, transit, policy,
-                                );
-                                applied.map(|done| {
-                                    state.metrics.placements("received", done.placements as u64);
-                                    state.metrics.home_handovers.inc_by(done.handovers as u64);
-                                })
-                            }
-                            None => Ok(()),
-                        },
+                        SidecarMessage::Placements(p) => self.placements(&p.entries, now),
+                        SidecarMessage::RecentPlacements(r) => self.recent(&r.entries, now),
                         SidecarMessage::Goodbye(g) => {
                             info!(reason = ?g.reason, message = %g.message, "sidecar said goodbye");
                             return Ok(());

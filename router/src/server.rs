@@ -1,13 +1,19 @@
 //! Serving the HTTP app on the client listener with bounds `axum::serve` does not offer: a
 //! header read timeout, a cap on the request head's size and header count, and a cap on open
-//! connections (one over it is answered 503 with `Retry-After` and closed). The bounds come from
+//! connections (one over it is answered 503 with `Retry-After` and closed), and a write timeout:
+//! a client that takes no byte of its answer for `timeouts.clientWriteSeconds` has its
+//! connection closed, which ends the request and aborts the pod's generation (a stalled reader
+//! would otherwise hold both until `requestSeconds`). The bounds come from
 //! the live config when a connection is accepted, so a reload applies to new connections. On
 //! `stop` the listener closes, every connection finishes its current request (graceful
 //! shutdown) and `serve` returns when all have closed.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -89,8 +95,9 @@ pub async fn serve(
         match Slot::take(&open, limits.connections) {
             Some(slot) => {
                 let (app, state, stop) = (app.clone(), state.clone(), stop.clone());
+                let io = TimedWrites::new(TokioIo::new(tcp), live.config.timeouts.client_write());
                 conns.spawn(async move {
-                    connection(builder, tcp, app, &state, stop).await;
+                    connection(builder, io, app, &state, stop).await;
                     drop(slot);
                 });
             }
@@ -117,13 +124,13 @@ pub async fn serve(
 
 async fn connection(
     builder: http1::Builder,
-    tcp: TcpStream,
+    io: TimedWrites<TokioIo<TcpStream>>,
     app: Router,
     state: &State,
     stop: CancellationToken,
 ) {
     let service = TowerToHyperService::new(app);
-    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+    let conn = builder.serve_connection(io, service);
     let mut conn = std::pin::pin!(conn);
     let mut draining = false;
     let result = loop {
@@ -139,6 +146,8 @@ async fn connection(
         // hyper enforces these bounds itself (closing, or answering 431); count them here.
         let reason = if e.is_timeout() {
             Some("header_read_time")
+        } else if is_write_timeout(&e) {
+            Some("client_write_time")
         } else if e.is_parse_too_large() {
             Some("header_bytes")
         } else {
@@ -160,4 +169,105 @@ async fn refuse(builder: http1::Builder, tcp: TcpStream, limit: usize) {
         Ok::<_, Infallible>(ApiError::TooManyConnections { limit }.into_response())
     });
     let _ = builder.serve_connection(TokioIo::new(tcp), service).await;
+}
+
+/// Whether a connection ended because the client stopped reading ([`TimedWrites`]).
+fn is_write_timeout(e: &hyper::Error) -> bool {
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        if inner
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        src = inner.source();
+    }
+    false
+}
+
+/// A connection whose writes fail once one has waited `limit` for the client to take bytes.
+/// Reads are untouched (an idle keep-alive connection is the header timeout's business).
+pub struct TimedWrites<T> {
+    inner: T,
+    limit: Duration,
+    /// Armed while a write waits for the client.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> TimedWrites<T> {
+    pub fn new(inner: T, limit: Duration) -> Self {
+        TimedWrites {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// Turns a pending write into an error once it has waited `limit`.
+    fn watch<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<std::io::Result<R>>,
+    ) -> Poll<std::io::Result<R>> {
+        if poll.is_ready() {
+            self.stalled = None;
+            return poll;
+        }
+        let limit = self.limit;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client took no bytes for {limit:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for TimedWrites<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for TimedWrites<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, poll)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, poll)
+    }
 }

@@ -10,7 +10,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::body::BodyBudget;
 use crate::config::RouterConfig;
+use crate::heavy::Heavy;
+use crate::identity::Owners;
 use crate::metrics::Metrics;
 use crate::pods::Registry;
 use crate::scheduler::Scheduler;
@@ -37,6 +40,15 @@ pub struct State {
     live: RwLock<Arc<Live>>,
     pub client: reqwest::Client,
     pub metrics: Metrics,
+    /// Bytes held by request bodies in flight (`limits.inflightBodyBytes`).
+    pub bodies: BodyBudget,
+    /// The pool CPU-heavy work runs in.
+    pub heavy: Heavy,
+    /// Which certificate holds each live pod name.
+    pub owners: Owners,
+    /// Whether `x-kvsight-debug: 1` is answered with `x-kvsight-decision` (off unless the
+    /// operator turns it on: the header shows scores and pod names).
+    decision_header: AtomicBool,
     pub tokenizers: Tokenizers,
     /// Flow control's queue ([`crate::flow`]); idle while `flowControl.enabled` is off.
     pub flow: crate::flow::FlowControl,
@@ -78,12 +90,24 @@ impl State {
             ^ u64::from(std::process::id()).rotate_left(32);
         let registry = Registry::new();
         let flow = crate::flow::FlowControl::new(registry.changes());
+        let metrics = Metrics::new();
+        let bodies = BodyBudget::new(metrics.inflight_body_bytes.clone());
+        let heavy = Heavy::new(
+            config.limits.heavy_workers,
+            config.limits.heavy_queue,
+            metrics.heavy_jobs.clone(),
+            metrics.heavy_jobs_running.clone(),
+        );
         Ok(Arc::new(State {
             registry: Mutex::new(registry),
             flow,
             live: RwLock::new(Arc::new(Live::new(config))),
             client,
-            metrics: Metrics::new(),
+            metrics,
+            bodies,
+            heavy,
+            owners: Owners::default(),
+            decision_header: AtomicBool::new(false),
             tokenizers: Tokenizers::new(loader),
             router_id,
             draining: AtomicBool::new(false),
@@ -111,6 +135,16 @@ impl State {
         *self.live.write().unwrap_or_else(|e| e.into_inner()) = live;
         // Queued requests are picked under the new budgets (or all let go if it turned off).
         self.flow.kick();
+    }
+
+    /// Turns the `x-kvsight-decision` answer to `x-kvsight-debug: 1` on or off.
+    pub fn set_decision_header(&self, on: bool) {
+        self.decision_header.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether `x-kvsight-debug: 1` is honoured.
+    pub fn decision_header(&self) -> bool {
+        self.decision_header.load(Ordering::Relaxed)
     }
 
     pub fn begin_drain(&self) {

@@ -15,6 +15,8 @@ use xxhash_rust::xxh3::xxh3_64;
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
 use kvsight_tokenizer::{ChatRequest, Dialect, ModelTokenizer, TokenizerError};
 
+use crate::body::PromptInput;
+
 /// Characters per pseudo-token in approximate mode: about one real token of English text.
 pub const APPROX_CHARS_PER_TOKEN: usize = 4;
 
@@ -69,6 +71,8 @@ struct Entry {
     /// Checks that got no answer in a row, and when the next one may run.
     failed_checks: u32,
     next_check: Option<Instant>,
+    /// Loaded from the router's config: never replaced by files a sidecar sends.
+    configured: bool,
 }
 
 /// What the router knows of one model's tokenizer (`/debug/pods`, metrics).
@@ -257,9 +261,44 @@ impl Tokenizers {
     /// Adds or replaces the model's tokenizer. The same files again (two sidecars sending them
     /// at once) keep the verdict they already have.
     pub fn insert(&self, model: &str, digest: String, tok: Arc<dyn PromptTokenizer>) {
+        self.put(model, digest, tok, false);
+    }
+
+    /// Adds the tokenizer the router's config names for the model: files a sidecar sends never
+    /// replace it.
+    pub fn insert_configured(&self, model: &str, digest: String, tok: Arc<dyn PromptTokenizer>) {
+        self.put(model, digest, tok, true);
+    }
+
+    /// Adds a tokenizer a sidecar sent, unless the config names one for the model. Returns
+    /// whether it was taken.
+    pub fn insert_received(
+        &self,
+        model: &str,
+        digest: String,
+        tok: Arc<dyn PromptTokenizer>,
+    ) -> bool {
+        self.put(model, digest, tok, false)
+    }
+
+    /// Whether the model's tokenizer comes from the router's config.
+    pub fn is_configured(&self, model: &str) -> bool {
+        let map = self.by_model.read().unwrap_or_else(|e| e.into_inner());
+        map.get(model).is_some_and(|e| e.configured)
+    }
+
+    fn put(
+        &self,
+        model: &str,
+        digest: String,
+        tok: Arc<dyn PromptTokenizer>,
+        configured: bool,
+    ) -> bool {
         let mut map = self.by_model.write().unwrap_or_else(|e| e.into_inner());
-        if map.get(model).is_some_and(|e| e.digest == digest) {
-            return;
+        match map.get(model) {
+            Some(e) if e.configured && !configured => return false,
+            Some(e) if e.digest == digest && e.configured == configured => return true,
+            _ => {}
         }
         map.insert(
             model.to_owned(),
@@ -270,19 +309,32 @@ impl Tokenizers {
                 agreed_versions: Vec::new(),
                 failed_checks: 0,
                 next_check: None,
+                configured,
             },
         );
+        true
     }
 
-    /// Loads files received for `model` (from a sidecar) with the built-in loader.
-    pub fn load_files(&self, model: &str, files: &TokenizerFiles) -> Result<(), TokenizeError> {
+    /// Builds a tokenizer from files with the built-in loader (CPU-heavy: run it in the heavy
+    /// pool).
+    pub fn build(&self, files: &TokenizerFiles) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> {
         let loader = self
             .loader
             .as_ref()
             .ok_or_else(|| TokenizeError::Tokenizer("no tokenizer loader built in".into()))?;
-        let tok = loader(files)?;
-        self.insert(model, files.digest(), tok);
-        Ok(())
+        loader(files)
+    }
+
+    /// Loads files received for `model` (from a sidecar) with the built-in loader, here and now.
+    pub fn load_files(&self, model: &str, files: &TokenizerFiles) -> Result<(), TokenizeError> {
+        let tok = self.build(files)?;
+        if self.insert_received(model, files.digest(), tok) {
+            Ok(())
+        } else {
+            Err(TokenizeError::Tokenizer(format!(
+                "the config names the tokenizer of {model}"
+            )))
+        }
     }
 }
 
@@ -349,62 +401,39 @@ pub struct Prompt {
     pub exact: bool,
 }
 
-/// Tokenizes a completion or chat body for `model`: exactly when a tokenizer is known, else
-/// approximately from the prompt text.
+/// Tokenizes a prompt for `model`: exactly when a tokenizer is known (token ids are exact
+/// anyway), else approximately from the prompt text. A batch is routed on its first element:
+/// each element becomes one engine request on the pod it is sent to, and a later element over
+/// the window gets vLLM's 400, which a fallback pool still catches.
 pub fn prompt_tokens(
     tokenizers: &Tokenizers,
     model: &str,
-    chat: bool,
-    body: &Value,
+    input: PromptInput,
 ) -> Result<Prompt, TokenizeError> {
-    if let Some(tok) = tokenizers.get(model) {
-        let tokens = if chat {
-            tok.encode_chat(body)?
-        } else {
-            // A batch (a list of prompts) becomes one engine request per element on the pod
-            // it is sent to; it is routed on its first element, as in approximate mode. A
-            // later element over the window gets vLLM's 400, which a fallback pool still catches.
-            match body.get("prompt") {
-                Some(Value::String(s)) => tok.encode_completion(s)?,
-                Some(Value::Array(a)) if matches!(a.first(), Some(Value::String(_))) => {
-                    tok.encode_completion(a[0].as_str().unwrap_or_default())?
-                }
-                Some(v) => token_prompt(v).unwrap_or_default(),
-                None => Vec::new(),
-            }
-        };
-        return Ok(Prompt {
-            tokens,
-            exact: true,
-        });
-    }
-    // Token-id prompts are exact even without a tokenizer.
-    if !chat && let Some(ids) = body.get("prompt").and_then(token_prompt) {
-        return Ok(Prompt {
-            tokens: ids,
-            exact: true,
-        });
-    }
-    let text = prompt_text(body, chat);
-    Ok(Prompt {
-        tokens: approximate_tokens(&text),
-        exact: false,
-    })
-}
-
-/// A prompt given as token ids (`[1, 2, 3]`, or the first of a list of lists).
-fn token_prompt(v: &Value) -> Option<Vec<u32>> {
-    let arr = v.as_array()?;
-    let arr = match arr.first() {
-        Some(Value::Array(inner)) => inner,
-        _ => arr,
+    let tok = tokenizers.get(model);
+    let exact = |tokens: Vec<u32>| Prompt {
+        tokens,
+        exact: true,
     };
-    if arr.is_empty() {
-        return None;
-    }
-    arr.iter()
-        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
-        .collect()
+    let approximate = |text: &str| Prompt {
+        tokens: approximate_tokens(text),
+        exact: false,
+    };
+    Ok(match input {
+        PromptInput::Chat(fields) => match tok {
+            Some(t) => exact(t.encode_chat(&fields)?),
+            None => approximate(&prompt_text(&fields, true)),
+        },
+        PromptInput::Text(s) | PromptInput::FirstText(s) => match tok {
+            Some(t) => exact(t.encode_completion(&s)?),
+            None => approximate(&s),
+        },
+        PromptInput::Ids(ids) => exact(ids),
+        PromptInput::Empty => match tok {
+            Some(_) => exact(Vec::new()),
+            None => approximate(""),
+        },
+    })
 }
 
 /// The prompt's text as a stable string: the completion prompt, or each chat message's role and
@@ -442,16 +471,24 @@ pub fn prompt_text(body: &Value, chat: bool) -> String {
 }
 
 /// One pseudo-token per [`APPROX_CHARS_PER_TOKEN`] characters. Each is a hash of its chunk
-/// only; the chain the scheduler computes over them makes the prefix property.
+/// only; the chain the scheduler computes over them makes the prefix property. Chunks are
+/// slices of the text, so a long prompt costs only its tokens.
 pub fn approximate_tokens(text: &str) -> Vec<u32> {
-    let chars: Vec<char> = text.chars().collect();
-    chars
-        .chunks(APPROX_CHARS_PER_TOKEN)
-        .map(|c| {
-            let s: String = c.iter().collect();
-            xxh3_64(s.as_bytes()) as u32
-        })
-        .collect()
+    let mut out = Vec::with_capacity(text.len() / APPROX_CHARS_PER_TOKEN + 1);
+    let mut start = 0;
+    let mut chars = 0;
+    for (i, _) in text.char_indices() {
+        if chars == APPROX_CHARS_PER_TOKEN {
+            out.push(xxh3_64(&text.as_bytes()[start..i]) as u32);
+            start = i;
+            chars = 0;
+        }
+        chars += 1;
+    }
+    if chars > 0 {
+        out.push(xxh3_64(&text.as_bytes()[start..]) as u32);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -470,9 +507,21 @@ mod tests {
     }
 
     #[test]
+    fn approximate_tokens_hash_the_same_chunks_as_collected_characters() {
+        let text = "héllo wörld, ünïcode ☃ and more";
+        let chars: Vec<char> = text.chars().collect();
+        let want: Vec<u32> = chars
+            .chunks(APPROX_CHARS_PER_TOKEN)
+            .map(|c| xxh3_64(c.iter().collect::<String>().as_bytes()) as u32)
+            .collect();
+        assert_eq!(approximate_tokens(text), want);
+        assert!(approximate_tokens("").is_empty());
+    }
+
+    #[test]
     fn token_id_prompts_are_exact_without_a_tokenizer() {
         let t = Tokenizers::default();
-        let p = prompt_tokens(&t, "m", false, &json!({"prompt": [1, 2, 3]})).unwrap();
+        let p = prompt_tokens(&t, "m", PromptInput::Ids(vec![1, 2, 3])).unwrap();
         assert_eq!(
             p,
             Prompt {
@@ -480,7 +529,7 @@ mod tests {
                 exact: true
             }
         );
-        let p = prompt_tokens(&t, "m", false, &json!({"prompt": "hello world"})).unwrap();
+        let p = prompt_tokens(&t, "m", PromptInput::Text("hello world".into())).unwrap();
         assert!(!p.exact);
     }
 
@@ -500,10 +549,10 @@ mod tests {
     fn a_batch_of_text_prompts_is_routed_on_its_first_element_exactly() {
         let t = Tokenizers::default();
         t.insert("m", "d".into(), Arc::new(Bytes));
-        let p = prompt_tokens(&t, "m", false, &json!({"prompt": ["abc", "defgh"]})).unwrap();
+        let p = prompt_tokens(&t, "m", PromptInput::FirstText("abc".into())).unwrap();
         assert_eq!(p.tokens, vec![97, 98, 99]);
         assert!(p.exact);
-        let p = prompt_tokens(&t, "m", false, &json!({"prompt": [[7, 8], [9]]})).unwrap();
+        let p = prompt_tokens(&t, "m", PromptInput::Ids(vec![7, 8])).unwrap();
         assert_eq!(p.tokens, vec![7, 8]);
     }
 

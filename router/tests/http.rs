@@ -19,7 +19,22 @@ async fn call(
     state: std::sync::Arc<kvsight_router::State>,
     req: Request<Body>,
 ) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
-    let resp = app(state).oneshot(req).await.unwrap();
+    call_on(app(state), req).await
+}
+
+/// The admin listener's app (`/metrics`, `/debug/pods`).
+async fn call_admin(
+    state: std::sync::Arc<kvsight_router::State>,
+    req: Request<Body>,
+) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    call_on(kvsight_router::http::admin_app(state), req).await
+}
+
+async fn call_on(
+    app: axum::Router,
+    req: Request<Body>,
+) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let resp = app.oneshot(req).await.unwrap();
     let status = resp.status();
     let headers = resp.headers().clone();
     let body = resp
@@ -174,7 +189,7 @@ async fn models_lists_ready_pods_models_and_lora_cards_only() {
 async fn debug_pods_and_metrics_report_the_registry() {
     let st = state(RouterConfig::default());
     add_pod(&st, "a", "http://127.0.0.1:9", &[], 3);
-    let (s, _, b) = call(
+    let (s, _, b) = call_admin(
         st.clone(),
         Request::get("/debug/pods").body(Body::empty()).unwrap(),
     )
@@ -186,7 +201,7 @@ async fn debug_pods_and_metrics_report_the_registry() {
     assert_eq!(p["phase"], "ready");
     assert_eq!(p["load"]["running"], 3);
     assert_eq!(p["inflight"], 0);
-    let (s, _, b) = call(st, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    let (s, _, b) = call_admin(st, Request::get("/metrics").body(Body::empty()).unwrap()).await;
     assert_eq!(s, StatusCode::OK);
     let text = String::from_utf8(b).unwrap();
     assert!(

@@ -1,4 +1,4 @@
-//! Everything a client controls is bounded (issue 13), checked over real loopback sockets
+//! Everything a client controls is bounded, checked over real loopback sockets
 //! against the router's own server (`kvsight_router::server::serve`), most with hand-written
 //! bytes on a `TcpStream` so nothing between the test and the router fixes the request up:
 //! declared and trickled bodies, slow and oversized heads, JSON depth, chat messages, prompt
@@ -206,8 +206,8 @@ fn assert_openai_error(a: &Answer, code: u16) {
     }
 }
 
-/// Issue 13: a 200 MiB `Content-Length` followed by 1 MiB and a pause got no answer for as long
-/// as the client waited. Now the declared size alone is refused.
+/// A 200 MiB `Content-Length` followed by 1 MiB and a pause: the declared size alone is refused,
+/// at once (a router reading on would hold the connection for as long as the client waits).
 #[tokio::test]
 async fn a_declared_body_over_the_limit_is_413_at_once_without_reading_it() {
     let r = router("", None).await;

@@ -18,7 +18,6 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use common::*;
-use kvsight_router::app;
 use kvsight_router::config::RouterConfig;
 
 type Chunk = Result<Bytes, io::Error>;
@@ -73,7 +72,7 @@ async fn silent_pod() -> String {
 
 async fn router_for(cfg: RouterConfig) -> (Arc<kvsight_router::State>, String) {
     let st = state(cfg);
-    let addr = serve(app(st.clone())).await;
+    let addr = serve(app_and_admin(st.clone())).await;
     (st, format!("http://{addr}"))
 }
 

@@ -29,6 +29,9 @@ struct Running {
     task: tokio::task::JoinHandle<Result<(), kvsight_router::RunError>>,
 }
 
+/// The URI SAN granting a sidecar certificate every pod name of the tests' namespace.
+const POD_GRANT: &str = "kvsight://pod/ns/*";
+
 async fn start(ca: &DevCa) -> Running {
     start_with(ca, None).await
 }
@@ -67,11 +70,16 @@ async fn start_config(
         ready_delay: Duration::ZERO,
         grace: Duration::from_secs(2),
         tokenizer_loader,
+        decision_header: false,
     };
     let shutdown = CancellationToken::new();
     let state = build_state(&cfg, &shutdown).unwrap();
     let task = tokio::spawn(serve(
-        Listeners { http, quic },
+        Listeners {
+            http,
+            quic,
+            admin: None,
+        },
         cfg,
         state.clone(),
         shutdown.clone(),
@@ -146,7 +154,7 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 async fn a_sidecar_registers_reports_and_leaves() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start(&ca).await;
-    let pod_tls = ca.material("pod-a", &["pod-a"]).unwrap();
+    let pod_tls = ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap();
     let mut sc = connect(&pod_tls, r.quic).await.unwrap();
     sc.send
         .send(&SidecarMessage::Hello(fast_hello("a")))
@@ -250,7 +258,7 @@ async fn a_renewed_router_certificate_reaches_new_sidecars_without_a_restart() {
     let mut dir = SecretDir::new("router-renew").unwrap();
     dir.publish_leaf(&first, &ca).unwrap();
     let r = start_run(dir.files().load().unwrap(), Some(dir.files()), None).await;
-    let pod_tls = ca.material("pod-a", &["pod-a"]).unwrap();
+    let pod_tls = ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap();
     let mut a = connect(&pod_tls, r.quic).await.unwrap();
     a.register("a").await;
     assert_eq!(
@@ -287,9 +295,12 @@ async fn a_renewed_router_certificate_reaches_new_sidecars_without_a_restart() {
 async fn another_protocol_version_is_refused_naming_both() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start(&ca).await;
-    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
-        .await
-        .unwrap();
+    let mut sc = connect(
+        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
+        r.quic,
+    )
+    .await
+    .unwrap();
     let mut h = fast_hello("a");
     h.protocol_version = PROTOCOL_VERSION + 98;
     sc.send.send(&SidecarMessage::Hello(h)).await.unwrap();
@@ -361,9 +372,12 @@ async fn a_pod_with_a_rogue_certificate_is_never_registered_nor_sent_requests() 
 async fn shutdown_says_goodbye_and_closes_with_the_shutdown_code() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start(&ca).await;
-    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
-        .await
-        .unwrap();
+    let mut sc = connect(
+        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
+        r.quic,
+    )
+    .await
+    .unwrap();
     sc.send
         .send(&SidecarMessage::Hello(fast_hello("a")))
         .await
@@ -455,9 +469,12 @@ async fn the_router_fetches_a_missing_tokenizer_from_the_sidecar() {
     let files = kvsight_process::tokenizer_dir::read(&dir).unwrap();
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start_with(&ca, Some(kvsight_router::tokenize::default_loader())).await;
-    let mut sc = connect(&ca.material("pod-a", &["pod-a"]).unwrap(), r.quic)
-        .await
-        .unwrap();
+    let mut sc = connect(
+        &ca.material("pod-a", &["pod-a", POD_GRANT]).unwrap(),
+        r.quic,
+    )
+    .await
+    .unwrap();
     let mut h = fast_hello("a");
     h.tokenizer = Some(TokenizerInfo {
         digest: files.digest(),
@@ -497,15 +514,14 @@ async fn close_code(sc: &Sidecar) -> Option<u64> {
     }
 }
 
-/// Issue 13: a `Load` with a NaN KV use decoded and sat in the registry, where every threshold
-/// comparison with it is false (never saturated). Now the decoder refuses it: that one
-/// connection is closed as a protocol violation, its pod leaves, and the router and the other
-/// pods carry on.
+/// A `Load` with a NaN KV use would make every threshold comparison false (never saturated),
+/// so the decoder refuses it: that one connection is closed as a protocol violation, its pod
+/// leaves, and the router and the other pods carry on.
 #[tokio::test]
 async fn a_load_with_nan_kv_usage_closes_that_connection_only() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let r = start(&ca).await;
-    let tls = ca.material("pod", &["pod"]).unwrap();
+    let tls = ca.material("pod", &["pod", POD_GRANT]).unwrap();
     let mut good = connect(&tls, r.quic).await.unwrap();
     good.register("good").await;
     let mut bad = connect(&tls, r.quic).await.unwrap();
@@ -553,7 +569,7 @@ async fn a_sidecar_advertising_another_host_than_its_own_is_refused() {
     let ca = DevCa::new("kvsight-test-ca").unwrap();
     let router_tls = ca.material("router", &["kvsight-router"]).unwrap();
     let r = start_run(router_tls, None, None).await;
-    let tls = ca.material("pod", &["pod"]).unwrap();
+    let tls = ca.material("pod", &["pod", POD_GRANT]).unwrap();
     for url in [
         "http://127.0.0.2:8000",
         "http://[::2]:8000",

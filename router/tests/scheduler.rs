@@ -1046,10 +1046,9 @@ fn a_new_prefix_goes_where_the_lightest_working_set_lives() {
 /// Room is a difference between working sets, against what the lightest leaves free: one
 /// prefix more on a pod weighs more when its sibling already homes two than when it homes none,
 /// so the last tenants of a filling fleet are spread by working set and not by a moment's load.
-/// Scored as a share of the heaviest, the 3-against-2 gap was worth two thirds of the
-/// 1-against-0 gap (issue 16's run at 0.68 placed its 24 tenants 7 / 5 / 6 / 6 that way); as a
-/// difference against a quarter of the whole cache, the same (and 7 / 5 / 6 / 6 came back in 2
-/// runs of 11).
+/// Scored as a share of the heaviest, the 3-against-2 gap would be worth two thirds of the
+/// 1-against-0 gap; as a difference against a quarter of the whole cache, the same
+/// (docs/decisions/0011-room-floor.md).
 #[test]
 fn one_prefix_more_weighs_more_as_the_caches_fill() {
     // `lru` off: every pick here happens at one instant, so which pod it deems picked longest
@@ -1350,4 +1349,84 @@ fn another_replicas_sends_count_as_load_until_a_report_includes_them() {
         (0, 3),
         "{after:?}"
     );
+}
+
+/// A replica that restarts has no memory of where prefixes live; the pods' sidecars tell it
+/// (their recent placements, sent after the snapshot), so a tenant whose prefix no cache holds
+/// any more returns to the home the running replicas know, not to a pod of the new replica's
+/// choosing — which the others would never agree to.
+#[test]
+fn a_restarted_replica_learns_the_homes_from_the_sidecars_memory() {
+    let s = with_affinity(3.0);
+    let tenant = prompt(40, 1200);
+    let mut r = Replicas::new(3);
+    let home = pick_excluding(&mut r.sides[0], &s, &tenant, &["pod-0", "pod-1"]).pod;
+    assert_eq!(home, "ns/pod-2");
+    let routed = r.outboxes[0][2].try_recv().unwrap();
+    for restored in [true, false] {
+        let mut fresh = Cluster::new(3, true);
+        fresh.now += Duration::from_secs(30);
+        for i in 0..3 {
+            fresh.report(i, load(0, 0, 0.0));
+        }
+        if restored {
+            let (key, conn) = fresh.conns[2].clone();
+            let entry = RecentPlacement::of(&routed, 30_000);
+            let handed = fresh
+                .reg
+                .apply_recent(
+                    &key,
+                    conn,
+                    &[entry],
+                    fresh.now,
+                    Duration::ZERO,
+                    Duration::from_secs(120),
+                )
+                .unwrap();
+            assert_eq!(handed, 0, "nothing to hand over in an empty memory");
+        }
+        let d = fresh.pick(&s, &tenant).unwrap();
+        if restored {
+            assert_eq!(d, home, "the home the other replicas know");
+        } else {
+            assert_ne!(d, home, "a pod of its own choosing");
+        }
+    }
+}
+
+/// In a fleet larger than `COMMONS_SAMPLE` the commons come from a sample of the other pods'
+/// matches, not from matching every pod: a prefix most pods hold is still nobody's home, and a
+/// tenant's prefix only its home holds still claims in full.
+#[test]
+fn the_commons_of_a_large_fleet_come_from_a_sample_and_still_tell_shared_from_own() {
+    use kvsight_router::scheduler::COMMONS_SAMPLE;
+    let pods = 3 * COMMONS_SAMPLE;
+    let s = with_affinity(3.0);
+    let others: Vec<String> = (1..pods).map(|i| format!("pod-{i}")).collect();
+    let others: Vec<&str> = others.iter().map(String::as_str).collect();
+    let t = prompt(71, 1100);
+    let chain = hash_chain(&ChainSeed::BASE, &t, BS as usize);
+    for shared in [true, false] {
+        let mut c = Cluster::new(pods, true);
+        assert_eq!(pick_excluding(&mut c, &s, &t, &others).pod, "ns/pod-0");
+        c.settle();
+        // Past the pending TTL: only the filters speak.
+        c.now += Duration::from_secs(3);
+        // Free pools of 136 blocks: a copy of the prompt's 68 would take half of one.
+        for i in 0..pods {
+            c.report(i, load(0, 0, 0.864));
+            if shared || i == 0 {
+                c.holds(i, &chain);
+            }
+        }
+        let d = s.pick(&mut c.reg, &req(&t), c.now).unwrap();
+        let home = d.scores.iter().find(|(k, _)| *k == "affinity").unwrap().1;
+        if shared {
+            assert!(home < 1e-9, "held by every pod: nobody's home: {d:?}");
+        } else {
+            // `homes::claim` with half a pool evicted and nothing common: 0.5.
+            assert_eq!(d.pod, "ns/pod-0", "{d:?}");
+            assert!((home - 0.5).abs() < 0.02, "{d:?}");
+        }
+    }
 }

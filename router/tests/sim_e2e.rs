@@ -53,7 +53,7 @@ async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
         )
         .unwrap();
     }
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
 
     let prompt =
         json!({"model": MODEL, "prompt": "Which of the seven bridges should we repair first?"});
@@ -126,7 +126,7 @@ async fn three_sim_pods_concentrate_a_shared_prefix_then_spread_after_a_reload_t
         drop(reg);
         sims.push(sim);
     }
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     let system = "You are a careful assistant who answers in complete sentences. ".repeat(10);
     let batch = |tag: &'static str| {
         let (router, system) = (router.clone(), system.clone());
@@ -167,4 +167,50 @@ async fn three_sim_pods_concentrate_a_shared_prefix_then_spread_after_a_reload_t
     assert!(distinct.len() >= 2, "spread after prefix: 0: {second:?}");
     stop.cancel();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn an_adapter_request_is_tokenized_with_its_base_models_tokenizer() {
+    let Some(dir) = kvsight_harness::or_skip(
+        "an_adapter_request_is_tokenized_with_its_base_models_tokenizer",
+        kvsight_sim::own_tokenizer::ensure_dir(),
+    ) else {
+        return;
+    };
+    let files = read_dir(&dir).unwrap();
+    let sim = SimPod::start(SimConfig {
+        served_model_names: vec![MODEL.into()],
+        lora_modules: vec![("sql-lora".into(), "/adapters/sql".into())],
+        tokenizer: Some(TokenizerFiles {
+            tokenizer_json: files.tokenizer_json.clone(),
+            tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
+        }),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let st = state(RouterConfig::default());
+    // The pod serves MODEL with the adapter `sql-lora` (see `hello`); only MODEL has files.
+    add_pod(&st, "sim", &sim.base_url(), &[], 0);
+    st.tokenizers
+        .insert(MODEL, files.digest(), model_tokenizer(&files).unwrap());
+    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let r = http
+        .post(format!("{router}/v1/completions"))
+        .header("x-kvsight-debug", "1")
+        .header("content-type", "application/json")
+        .body(
+            json!({"model": "sql-lora", "prompt": "Which tables hold the orders?", "max_tokens": 1})
+                .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let decision: Value =
+        serde_json::from_str(r.headers()["x-kvsight-decision"].to_str().unwrap()).unwrap();
+    // Without the base's tokenizer the router would fall back to approximate pseudo-tokens.
+    assert_eq!(decision["prefix_mode"], "exact", "{decision}");
+    sim.shutdown(Duration::from_secs(1)).await;
 }

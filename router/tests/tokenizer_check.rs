@@ -114,7 +114,7 @@ async fn the_engines_own_files_agree_and_keep_exact_mode() {
         "a verdict is not asked for twice"
     );
 
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     let (s, _, mode) = post(
         &format!("{router}/v1/completions"),
         &json!({"model": MODEL, "prompt": "Tell me a story", "max_tokens": 2}),
@@ -146,7 +146,7 @@ async fn a_skewed_chat_template_is_caught_and_the_model_falls_back_to_approximat
 
     let st = with_tokenizer(&router_files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}]});
 
     // Before the check the router answers /tokenize itself, with its (wrong) ids.
@@ -301,7 +301,7 @@ async fn a_pod_that_does_not_answer_leaves_the_verdict_open() {
     // below stays 1).
     assert_eq!(check_pending(&st).await, 0);
     assert!(st.tokenizers.get(MODEL).is_some(), "still used meanwhile");
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     let m = metrics(&router).await;
     assert!(
         m.contains(r#"kvsight_router_tokenizer_checks_total{model="m",outcome="error"} 1"#),
@@ -343,7 +343,7 @@ async fn an_engine_on_transformers5_is_matched_in_the_rebuilt_dialect() {
     let sim = sim_in(&files, Dialect::Transformers5Rebuilt).await;
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     let completion = json!({"model": MODEL, "prompt": " Tell me a story."});
 
     // Until the check the router reads the files as transformers 4 does: not the engine's ids.
@@ -402,7 +402,7 @@ async fn an_engine_on_transformers4_keeps_the_transformers4_dialect() {
     let sim = sim_in(&files, Dialect::Transformers4).await;
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     assert_eq!(check_pending(&st).await, 1);
     assert_eq!(
         st.tokenizers.verdict(MODEL),
@@ -438,7 +438,7 @@ async fn an_engine_that_agrees_with_no_dialect_leaves_the_model_approximate() {
     let sim = sim_in(&engine_files, Dialect::Transformers5Rebuilt).await;
     let st = with_tokenizer(&files);
     add_pod(&st, "sim", &sim.base_url(), &[], 0);
-    let router = format!("http://{}", serve(kvsight_router::app(st.clone())).await);
+    let router = format!("http://{}", serve(app_and_admin(st.clone())).await);
     assert_eq!(check_pending(&st).await, 1);
     match st.tokenizers.verdict(MODEL) {
         Some(Verdict::Differs(why)) => {

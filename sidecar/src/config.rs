@@ -68,6 +68,10 @@ pub struct Args {
     /// Address of the health/metrics HTTP server.
     #[arg(long, env = "KVSIGHT_LISTEN", default_value = "0.0.0.0:9090")]
     pub listen: String,
+    /// Address of `/debug/state` (the pod's routers, engine facts, KV view). Not served unless
+    /// set; keep it on loopback (`127.0.0.1:9091`, reached with `kubectl port-forward`).
+    #[arg(long, env = "KVSIGHT_DEBUG_LISTEN")]
+    pub debug_listen: Option<String>,
     /// How often vLLM's /metrics is scraped and Load sent. Default 100ms.
     #[arg(long, env = "KVSIGHT_SCRAPE_INTERVAL", default_value = "100ms")]
     pub scrape_interval: String,
@@ -150,6 +154,8 @@ pub struct Config {
     pub pod_labels: BTreeMap<String, String>,
     pub tls: Option<TlsPaths>,
     pub listen: SocketAddr,
+    /// Where `/debug/state` is served; `None`: nowhere.
+    pub debug_listen: Option<SocketAddr>,
     pub scrape_interval: Duration,
     pub publish_interval: Duration,
     pub warmup: WarmupSource,
@@ -274,6 +280,15 @@ impl Args {
             .listen
             .parse()
             .map_err(|e| bad("listen", format!("{:?}: {e}", self.listen)))?;
+        let debug_listen = self
+            .debug_listen
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                s.parse()
+                    .map_err(|e| bad("debug-listen", format!("{s:?}: {e}")))
+            })
+            .transpose()?;
         let warmup = match self.warmup.as_deref() {
             None | Some("") => WarmupSource::Default,
             Some("none") => WarmupSource::Skip,
@@ -304,6 +319,7 @@ impl Args {
             pod_labels,
             tls,
             listen,
+            debug_listen,
             scrape_interval: duration(
                 "scrape-interval",
                 &self.scrape_interval,

@@ -35,8 +35,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, WarmupSource};
-use crate::engine::VllmClient;
-use crate::kv_events::subscriber::{KvSubscriber, SubscriberConfig};
+use crate::engine::{Facts, VllmClient};
+use crate::kv_events::subscriber::{KvSubscriber, SharedMirror, SubscriberConfig};
 use crate::mirror::Mirror;
 use crate::publisher::Publisher;
 use crate::state::Shared;
@@ -51,8 +51,10 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 /// Sockets bound before [`run`] (so tests bind `127.0.0.1:0` and read the port back).
 #[derive(Debug)]
 pub struct Listeners {
-    /// `/live`, `/ready`, `/metrics`, `/debug/state`.
+    /// `/live`, `/ready`, `/metrics`.
     pub http: TcpListener,
+    /// `/debug/state`; `None` serves it nowhere.
+    pub debug: Option<TcpListener>,
 }
 
 /// Why the sidecar could not run.
@@ -129,7 +131,7 @@ struct Tasks {
 }
 
 /// Starts the HTTP server, waits for vLLM, subscribes, publishes, warms up, reports Ready, and
-/// drains when `shutdown` is cancelled.
+/// drains when `shutdown` is cancelled: the pod's phases in order.
 async fn start_and_serve(
     listeners: Listeners,
     config: &Config,
@@ -138,14 +140,35 @@ async fn start_and_serve(
     tasks: &Tasks,
     checked: Checked,
 ) -> Result<(), RunError> {
-    let Tasks { stop, tracker } = tasks;
     let Checked { tls, plan_file } = checked;
-    let http = listeners.http;
+    serve_http(listeners, shared, tasks);
+    let client = VllmClient::new(&config.vllm_url);
+    let Some((facts, mirror)) = start_engine_view(&client, config, shared, shutdown, tasks).await?
+    else {
+        return Ok(());
+    };
+    // Routers hear Goodbye only after the drain: `close` is cancelled at its end (or by stop).
+    let close = tasks.stop.child_token();
+    // Lives as long as this function: renewed certificates reach the next handshakes.
+    let _tls_watch = publish(config, shared, tasks, &facts, mirror, tls, &close)?;
+    warm_until_shutdown(&client, config, shared, shutdown, &facts, plan_file).await;
+    drain(config, shared).await;
+    close.cancel();
+    Ok(())
+}
+
+/// The health, readiness and metrics endpoints, and the debug endpoint when it has a listener
+/// of its own, until the tasks stop.
+fn serve_http(listeners: Listeners, shared: &Arc<Shared>, tasks: &Tasks) {
+    let debug = listeners
+        .debug
+        .map(|l| (l, server::debug_app(Arc::clone(shared))));
+    for (listener, app) in
+        std::iter::once((listeners.http, server::app(Arc::clone(shared)))).chain(debug)
     {
-        let app = server::app(Arc::clone(shared));
-        let stop = stop.clone();
-        tracker.spawn(async move {
-            let served = axum::serve(http, app)
+        let stop = tasks.stop.clone();
+        tasks.tracker.spawn(async move {
+            let served = axum::serve(listener, app)
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await;
             if let Err(e) = served {
@@ -153,11 +176,20 @@ async fn start_and_serve(
             }
         });
     }
+}
 
-    // Starting: vLLM up, facts read, KV events subscribed.
-    let client = VllmClient::new(&config.vllm_url);
+/// Starting: waits for vLLM's health and facts, builds the mirror, subscribes to KV events and
+/// starts the load and health loops. `None` when shut down first.
+async fn start_engine_view(
+    client: &VllmClient,
+    config: &Config,
+    shared: &Arc<Shared>,
+    shutdown: &CancellationToken,
+    tasks: &Tasks,
+) -> Result<Option<(Facts, SharedMirror)>, RunError> {
+    let Tasks { stop, tracker } = tasks;
     if !client.wait_healthy(RETRY_INTERVAL, shutdown).await {
-        return Ok(());
+        return Ok(None);
     }
     shared.set_healthy(true);
     let facts = loop {
@@ -169,7 +201,7 @@ async fn start_and_serve(
             Err(e) => tracing::info!(error = %e, "engine facts not available yet"),
         }
         tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
+            () = shutdown.cancelled() => return Ok(None),
             () = tokio::time::sleep(RETRY_INTERVAL) => {}
         }
     };
@@ -199,7 +231,7 @@ async fn start_and_serve(
             Err(e) => tracing::warn!(error = %e, "cannot subscribe to KV events yet"),
         }
         tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
+            () = shutdown.cancelled() => return Ok(None),
             () = tokio::time::sleep(RETRY_INTERVAL) => {}
         }
     };
@@ -218,8 +250,21 @@ async fn start_and_serve(
         HEALTH_INTERVAL,
         stop.clone(),
     ));
+    Ok(Some((facts, mirror)))
+}
 
-    // The publisher: routers learn about the pod as soon as its facts are known.
+/// The publisher: routers learn about the pod as soon as its facts are known. Returns the
+/// certificate watch, which must live as long as the pod serves.
+fn publish(
+    config: &Config,
+    shared: &Arc<Shared>,
+    tasks: &Tasks,
+    facts: &Facts,
+    mirror: SharedMirror,
+    tls: Option<TlsMaterial>,
+    close: &CancellationToken,
+) -> Result<Option<kvsight_process::files::DirWatch>, RunError> {
+    let Tasks { stop, tracker } = tasks;
     let tokenizer_dir = config.tokenizer_dir.clone().or_else(|| {
         facts
             .root
@@ -251,37 +296,44 @@ async fn start_and_serve(
         sidecar_version: env!("CARGO_PKG_VERSION").to_owned(),
         load_interval_ms: u32::try_from(config.scrape_interval.as_millis()).unwrap_or(u32::MAX),
     };
-    let publisher = Publisher::new(Arc::clone(shared), Arc::clone(&mirror), hello, tokenizer);
-    // Routers hear Goodbye only after the drain: `close` is cancelled at its end (or by stop).
-    let close = stop.child_token();
+    let publisher = Publisher::new(Arc::clone(shared), mirror, hello, tokenizer);
     tracker.spawn(Arc::clone(&publisher).run_ticker(config.publish_interval, stop.clone()));
-    // Lives as long as this function: renewed certificates reach the next handshakes.
-    let mut _tls_watch = None;
-    if let Some(tls) = tls {
-        let (material, current) = tokio::sync::watch::channel(tls.clone());
-        if let Some(files) = config.tls.clone() {
-            let metrics = Arc::clone(&shared.metrics);
-            _tls_watch = Some(files.watch(
-                &tls,
-                move |new| {
-                    // Built once here only to refuse what a handshake could not use.
-                    kvsight_transport::client_config(&new)?;
-                    material.send_replace(new);
-                    Ok(())
-                },
-                move |outcome| metrics.count_tls_reload(outcome.label()),
-            )?);
-        }
-        tracker.spawn(Arc::clone(&publisher).run_routers(
-            current,
-            config.routers.clone(),
-            config.router_resolve_interval,
-            close.clone(),
-            tracker.clone(),
-        ));
+    let Some(tls) = tls else { return Ok(None) };
+    let (material, current) = tokio::sync::watch::channel(tls.clone());
+    let mut watch = None;
+    if let Some(files) = config.tls.clone() {
+        let metrics = Arc::clone(&shared.metrics);
+        watch = Some(files.watch(
+            &tls,
+            move |new| {
+                // Built once here only to refuse what a handshake could not use.
+                kvsight_transport::client_config(&new)?;
+                material.send_replace(new);
+                Ok(())
+            },
+            move |outcome| metrics.count_tls_reload(outcome.label()),
+        )?);
     }
+    tracker.spawn(publisher.run_routers(
+        current,
+        config.routers.clone(),
+        config.router_resolve_interval,
+        close.clone(),
+        tracker.clone(),
+    ));
+    Ok(watch)
+}
 
-    // Warming.
+/// Warming, then Ready (or Unhealthy) until shutdown; warmed again whenever the engine comes
+/// back after a restart.
+async fn warm_until_shutdown(
+    client: &VllmClient,
+    config: &Config,
+    shared: &Arc<Shared>,
+    shutdown: &CancellationToken,
+    facts: &Facts,
+    plan_file: Option<Vec<warmup::WarmupStep>>,
+) {
     shared.set_phase(Phase::Warming);
     let plan = match (&config.warmup, plan_file) {
         (WarmupSource::Skip, _) => Vec::new(),
@@ -292,12 +344,12 @@ async fn start_and_serve(
     loop {
         if let Some(model) = facts.models.first() {
             let report =
-                warmup::run_plan(&client, model, &plan, facts.engine.max_model_len, shutdown).await;
+                warmup::run_plan(client, model, &plan, facts.engine.max_model_len, shutdown).await;
             shared.metrics.warmup_seconds.set(report.seconds);
             tracing::info!(?report, "warm-up done");
         }
         if shutdown.is_cancelled() {
-            break;
+            return;
         }
         shared.set_phase(if shared.healthy() {
             Phase::Ready
@@ -308,17 +360,20 @@ async fn start_and_serve(
         // engine restarted (a vLLM container restart leaves the sidecar running), so it is
         // warmed again, as at start, before users reach it.
         tokio::select! {
-            () = shutdown.cancelled() => break,
+            () = shutdown.cancelled() => return,
             changed = phases.wait_for(|p| *p == Phase::Warming) => {
                 if changed.is_err() {
-                    break;
+                    return;
                 }
                 tracing::info!("vLLM answers again: warming it up before Ready");
             }
         }
     }
+}
 
-    // Draining.
+/// Draining: waits, bounded by the drain grace, for a load sample taken after the drain began
+/// to show the engine idle; routers are then told the pod drained.
+async fn drain(config: &Config, shared: &Arc<Shared>) {
     shared.set_phase(Phase::Draining);
     let drain_start = Instant::now();
     let mut load_rx = shared.load.subscribe();
@@ -334,8 +389,6 @@ async fn start_and_serve(
         }
     }
     shared.set_close_reason(CloseReason::Drained);
-    close.cancel();
-    Ok(())
 }
 
 /// Random per process start (routers tell a restarted sidecar from a reconnect).

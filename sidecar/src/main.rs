@@ -38,12 +38,20 @@ async fn serve(config: kvsight_sidecar::config::Config) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
     tracing::info!(listen = %http.local_addr()?, "health and metrics");
+    let debug = match config.debug_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("binding --debug-listen {addr}: {e}"))?,
+        ),
+        None => None,
+    };
     // Process-wide, so the binary's business rather than `run`'s: tests start many sidecars in
     // one process. Ends with the drain's start; the last seconds of a stopping pod need no trim.
     tokio::spawn(kvsight_sidecar::memory::trim_every(
         config.memory_trim_interval,
         shutdown.clone(),
     ));
-    run(Listeners { http }, config, shutdown).await?;
+    run(Listeners { http, debug }, config, shutdown).await?;
     Ok(())
 }

@@ -3,11 +3,9 @@
 //! The sidecar's work is steady churn: every publish interval it builds a Bloom filter and a
 //! frame, every scrape parses a metrics page, every KV event batch allocates and frees. glibc's
 //! allocator returns freed memory to the system only from the top of each arena; pages freed
-//! below a live allocation stay resident. Measured in 10-minute soaks (README, reliability):
-//! without trimming, three of four runs ended with sidecars over +10 % (up to +25 %) while the
-//! live heap stayed flat (heaptrack); with `malloc_trim(0)` every 5 s every sidecar stayed under.
-//! A sidecar is a guest in the model pod's memory limit: it gives pages back rather than hold
-//! its peak forever.
+//! below a live allocation stay resident, so resident memory steps up at every burst while the
+//! live heap stays flat (docs/decisions/0018-sidecar-memory-trim.md). A sidecar is a guest in
+//! the model pod's memory limit: it gives pages back rather than hold its peak forever.
 //!
 //! The one `unsafe` in the workspace lives here (the workspace denies `unsafe_code`; this is its
 //! only exception, checked by `cargo xtask ci`).

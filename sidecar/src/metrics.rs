@@ -1,4 +1,4 @@
-//! The sidecar's own Prometheus metrics (issue 4's names), registered once and shared by every
+//! The sidecar's own Prometheus metrics (`kvsight_sidecar_*`), registered once and shared by every
 //! task through an `Arc`. Units are in the names; counters get `_total` from the encoder.
 
 use std::sync::atomic::AtomicU64;

@@ -13,12 +13,18 @@
 //! engine's events or the next load report could show it. A connection that falls behind the
 //! relay loses the oldest placements (counted): they are hints, the filter stays the truth.
 //!
+//! The publisher also remembers the homes-relevant part of recent placements (their prefix
+//! depths, [`RecentPlacement`]) and sends them after the snapshot on every connect, so a router
+//! that restarts — a rolling update — learns where the running replicas placed each prefix
+//! instead of placing prefixes anew where its memory is empty. An `AllBlocksCleared` (a cache
+//! reset) forgets them.
+//!
 //! Addresses: a router name resolves to every replica; names are re-resolved periodically, new
 //! addresses get a connection and vanished ones are closed. Each connection reconnects on its own
 //! with exponential backoff and jitter, so a refused or unreachable router (a certificate not from
 //! our CA, a version mismatch) never holds up the others.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use kvsight_protocol::messages::{
     CacheDelta, CloseReason, Goodbye, Hello, Inflight, Load, MAX_PLACEMENTS, Placement, Placements,
-    Routed, RouterMessage, SidecarMessage, TokenizerInfo,
+    RecentPlacement, RecentPlacements, Routed, RouterMessage, SidecarMessage, TokenizerInfo,
 };
 use kvsight_protocol::tokenizer_transfer::TokenizerFiles;
 use kvsight_transport::{FramedRecv, FramedSend, TlsMaterial, TransportError};
@@ -43,6 +49,10 @@ const DELTA_BACKLOG: usize = 64;
 /// Placements buffered for relay per connection before the oldest are dropped: seconds of
 /// traffic at thousands of requests per second.
 const PLACEMENT_BACKLOG: usize = 8192;
+/// Placements remembered for routers that connect later: at most this many (about 100 bytes
+/// each), and none older than [`RECENT_FOR`], longer than routers keep a home unused by default.
+const RECENT_PLACEMENTS: usize = 65_536;
+const RECENT_FOR: Duration = Duration::from_secs(600);
 /// First reconnect delay; doubles up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -77,7 +87,25 @@ pub struct Publisher {
     tokenizer: Option<Arc<TokenizerFiles>>,
     deltas: broadcast::Sender<Arc<CacheDelta>>,
     placements: broadcast::Sender<Arc<Relayed>>,
+    recent: std::sync::Mutex<VecDeque<Remembered>>,
     next_connection: AtomicU64,
+}
+
+/// A placement kept for routers that connect later.
+#[derive(Debug)]
+struct Remembered {
+    at: Instant,
+    /// The mirror's clear count when it was made: a cache reset forgets it.
+    clears: u64,
+    placement: RecentPlacement,
+}
+
+/// Which connection a router message came in on.
+struct Answering<'a> {
+    conn: &'a quinn::Connection,
+    addr: SocketAddr,
+    label: &'a str,
+    id: u64,
 }
 
 /// A placement one router connection reported, on its way to the others.
@@ -108,6 +136,7 @@ impl Publisher {
             tokenizer: tokenizer.map(Arc::new),
             deltas: broadcast::channel(DELTA_BACKLOG).0,
             placements: broadcast::channel(PLACEMENT_BACKLOG).0,
+            recent: std::sync::Mutex::new(VecDeque::new()),
             next_connection: AtomicU64::new(0),
         })
     }
@@ -283,40 +312,14 @@ impl Publisher {
         id: u64,
         close: &CancellationToken,
     ) -> Result<(), PublishError> {
-        // The newest material on every attempt: a renewed certificate is used from the next
-        // reconnect on (the connection in progress keeps the one it was set up with).
-        let config = kvsight_transport::client_config(&tls.borrow())?;
-        let connecting = endpoint.connect_with(config, addr, server_name)?;
-        let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
-            .await
-            .map_err(|_| PublishError::Timeout("handshake"))??;
-        let (send, recv) = conn.open_bi().await?;
-        let mut tx = FramedSend::new(send);
-        let mut rx = FramedRecv::new(recv);
         let metrics = &self.shared.metrics;
         let mut sent = |n: usize| {
             metrics.publish_bytes.inc_by(n as u64);
         };
-        sent(tx.send(&SidecarMessage::Hello(self.hello.clone())).await?);
-        let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>())
-            .await
-            .map_err(|_| PublishError::Timeout("Welcome"))??;
-        let router_id = match answer {
-            Some(RouterMessage::Welcome(w)) => w.router_id,
-            Some(RouterMessage::Refused(r)) => {
-                conn.close(CloseReason::Shutdown.code().into(), b"refused");
-                return Err(PublishError::Refused(r.reason));
-            }
-            Some(_) => return Err(PublishError::Unexpected("a message before Welcome")),
-            None => return Err(PublishError::Closed),
-        };
+        let (conn, mut tx, mut rx) = self
+            .handshake(endpoint, tls, addr, server_name, &mut sent)
+            .await?;
         let label = addr.to_string();
-        tracing::info!(router = %addr, %router_id, "router welcomed us");
-        self.shared.update_router(&label, |r| {
-            r.router_id = Some(router_id.clone());
-            r.connected = true;
-            r.last_error = None;
-        });
         metrics.routers_connected.inc();
         let _connected = GaugeGuard(&metrics.routers_connected);
 
@@ -324,6 +327,7 @@ impl Publisher {
         let mut deltas = self.deltas.subscribe();
         let mut placements = self.placements.subscribe();
         let mut version = self.send_snapshot(&mut tx, &mut sent).await?;
+        self.send_recent(&mut tx, &mut sent).await?;
         let mut load_rx = self.shared.load.subscribe();
         let mut load_seq = 0u64;
         let first = load_rx.borrow_and_update().clone();
@@ -353,44 +357,13 @@ impl Publisher {
                     conn.close(reason.code().into(), b"goodbye");
                     return Ok(());
                 }
-                msg = rx.recv::<RouterMessage>() => match msg? {
-                    None => return Err(PublishError::Closed),
-                    Some(RouterMessage::Inflight(Inflight { requests, .. })) => {
-                        self.shared.set_inflight(id, requests);
-                        self.shared.update_router(&label, |r| r.inflight = requests);
+                msg = rx.recv::<RouterMessage>() => {
+                    let Some(msg) = msg? else { return Err(PublishError::Closed) };
+                    let at = Answering { conn: &conn, addr, label: &label, id };
+                    if let Some(end) = self.answer(msg, &at, &mut tx, &mut version, &mut sent).await? {
+                        return end;
                     }
-                    Some(RouterMessage::TokenizerRequest(req)) => {
-                        match &self.tokenizer {
-                            Some(files) => {
-                                for chunk in files.chunks(&req.model) {
-                                    sent(tx.send(&SidecarMessage::TokenizerChunk(chunk)).await?);
-                                }
-                            }
-                            None => tracing::warn!(router = %addr, model = %req.model,
-                                "router asked for a tokenizer and we have none"),
-                        }
-                    }
-                    Some(RouterMessage::ResyncRequest) => {
-                        version = self.send_snapshot(&mut tx, &mut sent).await?;
-                    }
-                    Some(RouterMessage::Routed(routed)) => {
-                        metrics.count_placements("received", 1);
-                        // No other router connected is fine: nobody to tell.
-                        let _ = self.placements.send(Arc::new(Relayed {
-                            from: id,
-                            at: Instant::now(),
-                            routed,
-                        }));
-                    }
-                    Some(RouterMessage::Goodbye(g)) => {
-                        tracing::info!(router = %addr, reason = ?g.reason, "router said goodbye");
-                        return Ok(());
-                    }
-                    Some(RouterMessage::Welcome(_) | RouterMessage::Refused(_)) => {
-                        conn.close(CloseReason::ProtocolViolation.code().into(), b"unexpected");
-                        return Err(PublishError::Unexpected("a second Welcome/Refused"));
-                    }
-                },
+                }
                 d = deltas.recv() => match d {
                     Ok(d) if d.base_version == version => {
                         tracing::trace!(router = %addr, version = d.version, "delta");
@@ -430,6 +403,151 @@ impl Publisher {
                 },
             }
         }
+    }
+
+    /// Connects, opens the stream, says `Hello` and waits for `Welcome` (bounded); records the
+    /// router as connected.
+    async fn handshake(
+        &self,
+        endpoint: &quinn::Endpoint,
+        tls: &tokio::sync::watch::Receiver<TlsMaterial>,
+        addr: SocketAddr,
+        server_name: &str,
+        sent: &mut impl FnMut(usize),
+    ) -> Result<(quinn::Connection, FramedSend, FramedRecv), PublishError> {
+        // The newest material on every attempt: a renewed certificate is used from the next
+        // reconnect on (the connection in progress keeps the one it was set up with).
+        let config = kvsight_transport::client_config(&tls.borrow())?;
+        let connecting = endpoint.connect_with(config, addr, server_name)?;
+        let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
+            .await
+            .map_err(|_| PublishError::Timeout("handshake"))??;
+        let (send, recv) = conn.open_bi().await?;
+        let mut tx = FramedSend::new(send);
+        let mut rx = FramedRecv::new(recv);
+        sent(tx.send(&SidecarMessage::Hello(self.hello.clone())).await?);
+        let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, rx.recv::<RouterMessage>())
+            .await
+            .map_err(|_| PublishError::Timeout("Welcome"))??;
+        let router_id = match answer {
+            Some(RouterMessage::Welcome(w)) => w.router_id,
+            Some(RouterMessage::Refused(r)) => {
+                conn.close(CloseReason::Shutdown.code().into(), b"refused");
+                return Err(PublishError::Refused(r.reason));
+            }
+            Some(_) => return Err(PublishError::Unexpected("a message before Welcome")),
+            None => return Err(PublishError::Closed),
+        };
+        tracing::info!(router = %addr, %router_id, "router welcomed us");
+        self.shared.update_router(&addr.to_string(), |r| {
+            r.router_id = Some(router_id.clone());
+            r.connected = true;
+            r.last_error = None;
+        });
+        Ok((conn, tx, rx))
+    }
+
+    /// Answers one router message; `Some` ends the connection with that outcome.
+    async fn answer(
+        &self,
+        msg: RouterMessage,
+        at: &Answering<'_>,
+        tx: &mut FramedSend,
+        version: &mut u64,
+        sent: &mut impl FnMut(usize),
+    ) -> Result<Option<Result<(), PublishError>>, PublishError> {
+        match msg {
+            RouterMessage::Inflight(Inflight { requests, .. }) => {
+                self.shared.set_inflight(at.id, requests);
+                self.shared
+                    .update_router(at.label, |r| r.inflight = requests);
+            }
+            RouterMessage::TokenizerRequest(req) => match &self.tokenizer {
+                Some(files) => {
+                    for chunk in files.chunks(&req.model) {
+                        sent(tx.send(&SidecarMessage::TokenizerChunk(chunk)).await?);
+                    }
+                }
+                None => tracing::warn!(router = %at.addr, model = %req.model,
+                    "router asked for a tokenizer and we have none"),
+            },
+            RouterMessage::ResyncRequest => {
+                *version = self.send_snapshot(tx, sent).await?;
+            }
+            RouterMessage::Routed(routed) => {
+                self.shared.metrics.count_placements("received", 1);
+                self.remember(&routed);
+                // No other router connected is fine: nobody to tell.
+                let _ = self.placements.send(Arc::new(Relayed {
+                    from: at.id,
+                    at: Instant::now(),
+                    routed,
+                }));
+            }
+            RouterMessage::Goodbye(g) => {
+                tracing::info!(router = %at.addr, reason = ?g.reason, "router said goodbye");
+                return Ok(Some(Ok(())));
+            }
+            RouterMessage::Welcome(_) | RouterMessage::Refused(_) => {
+                at.conn
+                    .close(CloseReason::ProtocolViolation.code().into(), b"unexpected");
+                return Ok(Some(Err(PublishError::Unexpected(
+                    "a second Welcome/Refused",
+                ))));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Keeps `routed`'s prefix depths for routers that connect later (see the module docs).
+    fn remember(&self, routed: &Routed) {
+        if routed.chain.is_empty() {
+            return;
+        }
+        let clears = lock(&self.mirror).stats().clears;
+        let now = Instant::now();
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        while recent
+            .front()
+            .is_some_and(|r| r.clears != clears || now.duration_since(r.at) > RECENT_FOR)
+        {
+            recent.pop_front();
+        }
+        if recent.len() >= RECENT_PLACEMENTS {
+            recent.pop_front();
+        }
+        recent.push_back(Remembered {
+            at: now,
+            clears,
+            placement: RecentPlacement::of(routed, 0),
+        });
+    }
+
+    /// Sends what [`Self::remember`] kept and the cache has not been reset since, oldest first.
+    async fn send_recent(
+        &self,
+        tx: &mut FramedSend,
+        sent: &mut impl FnMut(usize),
+    ) -> Result<(), PublishError> {
+        let clears = lock(&self.mirror).stats().clears;
+        let entries: Vec<RecentPlacement> = {
+            let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            recent
+                .iter()
+                .filter(|r| r.clears == clears && r.at.elapsed() <= RECENT_FOR)
+                .map(|r| RecentPlacement {
+                    age_ms: u32::try_from(r.at.elapsed().as_millis()).unwrap_or(u32::MAX),
+                    ..r.placement.clone()
+                })
+                .collect()
+        };
+        for chunk in entries.chunks(MAX_PLACEMENTS) {
+            let msg = SidecarMessage::RecentPlacements(RecentPlacements {
+                entries: chunk.to_vec(),
+            });
+            sent(tx.send(&msg).await?);
+        }
+        Ok(())
     }
 
     async fn send_snapshot(

@@ -214,6 +214,9 @@ pub fn parse(text: &str) -> Result<EngineMetrics, ScrapeError> {
     let (mut q_new, mut q_old, mut h_new, mut h_old) = (None, None, None, None);
     let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
     let mut found = [false; EXPECTED.len()];
+    // vLLM keeps one `lora_requests_info` series per label set it ever reported, each valued
+    // with the time it was last set: the newest is the current one, wherever it stands.
+    let mut lora_at = f64::NEG_INFINITY;
     for s in &all {
         let Some(metric) = s.name.strip_prefix("vllm:") else {
             continue;
@@ -251,7 +254,10 @@ pub fn parse(text: &str) -> Result<EngineMetrics, ScrapeError> {
                 add(&mut m.prefill_computed_tokens_sum, s.value)
             }
             "cache_config_info" => m.cache_config = cache_config(&s.labels),
-            "lora_requests_info" => m.lora = Some(lora_info(&s.labels)),
+            "lora_requests_info" if s.value >= lora_at => {
+                lora_at = s.value;
+                m.lora = Some(lora_info(&s.labels));
+            }
             _ => {}
         }
     }

@@ -1,6 +1,7 @@
-//! The health/metrics HTTP server on `--listen`: `/live`, `/ready` (the pod's readinessProbe),
-//! `/metrics` and `/debug/state`. [`app`] builds the router without a socket so handlers are
-//! testable with `oneshot`.
+//! The health/metrics HTTP server on `--listen`: `/live`, `/ready` (the pod's readinessProbe) and
+//! `/metrics`; `/debug/state` is on its own listener (`--debug-listen`, off unless set, loopback
+//! in the chart), since it shows the pod's routers and engine to whoever reaches it. [`app`] and
+//! [`debug_app`] build the routers without a socket so handlers are testable with `oneshot`.
 
 use std::sync::Arc;
 
@@ -14,12 +15,18 @@ use serde_json::json;
 use crate::kv_events::subscriber::lock;
 use crate::state::Shared;
 
-/// The HTTP routes.
+/// The probes and metrics, on `--listen`.
 pub fn app(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/live", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .with_state(shared)
+}
+
+/// `/debug/state`, on `--debug-listen`.
+pub fn debug_app(shared: Arc<Shared>) -> Router {
+    Router::new()
         .route("/debug/state", get(debug_state))
         .with_state(shared)
 }

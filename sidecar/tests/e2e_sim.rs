@@ -228,7 +228,10 @@ async fn start_pod(name: &str, sim: SimPodHandle, with_router: bool, warmup: Opt
     let shared = Arc::new(Shared::default());
     let stop = CancellationToken::new();
     let task = tokio::spawn(run_with(
-        Listeners { http: listener },
+        Listeners {
+            http: listener,
+            debug: None,
+        },
         cfg,
         stop.clone(),
         Arc::clone(&shared),

@@ -592,3 +592,67 @@ async fn a_routers_placement_is_relayed_to_every_other_router_and_not_back() {
         assert!(text.contains(&line), "no {line:?} in\n{text}");
     }
 }
+
+#[tokio::test]
+async fn a_router_that_connects_later_is_told_the_recent_placements_until_a_cache_reset() {
+    let ca = DevCa::new("test-ca").unwrap();
+    let tls = ca.material("router", &["127.0.0.1"]).unwrap();
+    let mut a = TestRouter::start(&tls, "127.0.0.1:0", None);
+    let late = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let late_addr = late.local_addr().unwrap();
+    drop(late);
+    let side = start_sidecar(
+        ca.material("pod-0", &["pod-0"]).unwrap(),
+        &[a.addr, late_addr],
+        None,
+    );
+    let (_, to_a) = a.connected().await;
+    let chain: Vec<u64> = (500..540).collect();
+    to_a.send(RouterMessage::Routed(Routed {
+        chain: PackedChain::new(&chain),
+        new_blocks: 40,
+        uncached_tokens: 160,
+    }))
+    .unwrap();
+    eventually("the sidecar to receive the placement", || {
+        side.shared
+            .metrics
+            .render()
+            .contains("outcome=\"received\"} 1")
+    })
+    .await;
+    // A router that starts now hears it right after its snapshot.
+    let mut b = TestRouter::restart_at(&tls, late_addr).await;
+    let recent = loop {
+        match b.message(false).await {
+            (_, SidecarMessage::RecentPlacements(r)) => break r.entries,
+            (_, SidecarMessage::CacheDelta(_) | SidecarMessage::Placements(_)) => {
+                panic!("recent placements come right after the snapshot")
+            }
+            _ => {}
+        }
+    };
+    assert_eq!(recent.len(), 1);
+    assert_eq!(recent[0].chain_len, 40);
+    let marks: Vec<(usize, u64)> = recent[0].marks().collect();
+    assert_eq!(marks.last(), Some(&(31, chain[31])));
+    // After a cache reset they are forgotten: the next connection gets none.
+    lock(&side.mirror).apply(&Event::AllCleared);
+    b.stop().await;
+    let mut b = TestRouter::restart_at(&tls, late_addr).await;
+    loop {
+        if let (_, SidecarMessage::CacheSnapshot(_)) = b.message(false).await {
+            break;
+        }
+    }
+    // The connection subscribed to deltas before its snapshot: this one comes after anything
+    // the sidecar sends right after the snapshot.
+    store(&side.mirror, 9000, 2);
+    loop {
+        match b.message(false).await {
+            (_, SidecarMessage::RecentPlacements(r)) => panic!("forgotten, yet sent: {r:?}"),
+            (_, SidecarMessage::CacheDelta(_)) => break,
+            _ => {}
+        }
+    }
+}

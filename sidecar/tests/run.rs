@@ -165,10 +165,15 @@ async fn warmup_runs_before_ready_and_drain_waits_for_idle() {
     );
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", http.local_addr().unwrap());
+    let debug = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let debug_base = format!("http://{}", debug.local_addr().unwrap());
     let shared = Arc::new(Shared::default());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(run_with(
-        Listeners { http },
+        Listeners {
+            http,
+            debug: Some(debug),
+        },
         cfg,
         shutdown.clone(),
         Arc::clone(&shared),
@@ -202,8 +207,10 @@ async fn warmup_runs_before_ready_and_drain_waits_for_idle() {
         "{metrics}"
     );
     assert!(metrics.contains("kvsight_sidecar_warmup_seconds"));
+    // Only on the debug listener.
+    assert_eq!(get_status(&format!("{base}/debug/state")).await, 404);
     let state: serde_json::Value = serde_json::from_str(
-        &reqwest::get(format!("{base}/debug/state"))
+        &reqwest::get(format!("{debug_base}/debug/state"))
             .await
             .unwrap()
             .text()

@@ -124,3 +124,17 @@ fn regression_fuzz_stray_character_between_labels() {
     let lora = m.lora.unwrap();
     assert_eq!((lora.max_lora, lora.running.len()), (Some(2), 2));
 }
+
+#[test]
+fn the_newest_lora_series_is_the_current_one_wherever_it_stands() {
+    // vLLM keeps every label set it ever set, valued with the time it was set: an adapter that
+    // runs again updates its old series in place, ahead of the empty one set when it stopped.
+    let text = "# TYPE vllm:lora_requests_info gauge\n\
+        vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"tiny-lora\",waiting_lora_adapters=\"\"} 1.7964588270e+09\n\
+        vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.7964588250e+09\n";
+    let lora = parse(text)
+        .expect("parses")
+        .lora
+        .expect("lora_requests_info");
+    assert_eq!(lora.running, vec!["tiny-lora"]);
+}

@@ -224,7 +224,7 @@ async fn errors_match_vllm_bodies() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Issue 13: `"stream": [1]`, `"maybe"` and `1` were all answered 200, unstreamed. vLLM reads
+/// `"stream": [1]`, `"maybe"` and `1` must not be answered 200 unstreamed. vLLM reads
 /// `stream` as pydantic's lax bool: `"yes"` and `1` stream, a list or `"maybe"` is a 400.
 #[tokio::test]
 async fn stream_is_read_as_pydantics_lax_bool() -> anyhow::Result<()> {

@@ -8,7 +8,11 @@ gap in the sequence from the engine's replay socket, as vLLM's documented subscr
 
 usage: kv_event_counter.py ENDPOINT REPLAY_ENDPOINT
 Prints "ready" once subscribed, then answers each stdin line "count" with one JSON line
-{"resident": N, "batches": M, "last_seq": S}; exits on EOF.
+{"resident": N, "batches": M, "last_seq": S}, and each line "events" with one JSON line
+{"events": [...]} holding every GPU event decoded since the previous "events", in order:
+{"stored": [hash, ...], "parent": hash | null, "tokens": [...], "block_size": B,
+"lora_name": str | null} / {"removed": [hash, ...]} / {"cleared": true}, hashes as strings
+(ints in decimal, bytes in hex) since vLLM may publish either. Exits on EOF.
 """
 import json
 import sys
@@ -26,12 +30,17 @@ from vllm.distributed.kv_events import (
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def hash_text(h) -> str:
+    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
+
+
 class Counter:
     def __init__(self) -> None:
         self.resident: set = set()
         self.batches = 0
         self.next_seq = None
         self.lock = threading.Lock()
+        self.log: list = []
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
     def apply(self, seq: int, payload: bytes) -> None:
@@ -43,11 +52,24 @@ class Counter:
                 if isinstance(ev, BlockStored):
                     if ev.medium in (None, "GPU"):
                         self.resident.update(ev.block_hashes)
+                        self.log.append(
+                            {
+                                "stored": [hash_text(h) for h in ev.block_hashes],
+                                "parent": None
+                                if ev.parent_block_hash is None
+                                else hash_text(ev.parent_block_hash),
+                                "tokens": list(ev.token_ids),
+                                "block_size": ev.block_size,
+                                "lora_name": getattr(ev, "lora_name", None),
+                            }
+                        )
                 elif isinstance(ev, BlockRemoved):
                     if ev.medium in (None, "GPU"):
                         self.resident.difference_update(ev.block_hashes)
+                        self.log.append({"removed": [hash_text(h) for h in ev.block_hashes]})
                 elif isinstance(ev, AllBlocksCleared):
                     self.resident.clear()
+                    self.log.append({"cleared": True})
 
 
 def replay(ctx: zmq.Context, endpoint: str, start: int, counter: Counter) -> None:
@@ -90,7 +112,11 @@ def main() -> None:
     threading.Thread(target=listen, daemon=True).start()
     print("ready", flush=True)
     for line in sys.stdin:
-        if line.strip() == "count":
+        if line.strip() == "events":
+            with counter.lock:
+                log, counter.log = counter.log, []
+            print(json.dumps({"events": log}), flush=True)
+        elif line.strip() == "count":
             with counter.lock:
                 print(
                     json.dumps(

@@ -110,6 +110,11 @@ fn demo_serve_leaves_a_working_cluster_up_until_interrupted() {
         .strip_prefix("router: http://")
         .unwrap_or_else(|| panic!("not the router line: {router:?}"))
         .to_owned();
+    let admin = lines.next().unwrap().unwrap();
+    assert!(
+        admin.starts_with("router admin (/metrics, /debug/pods): http://127.0.0.1:"),
+        "{admin}"
+    );
     let pod_lines: Vec<String> = (0..2).map(|_| lines.next().unwrap().unwrap()).collect();
     for (i, l) in pod_lines.iter().enumerate() {
         assert!(

@@ -1,4 +1,4 @@
-//! Faults end to end (issue 13), on the loopback cluster: vllm-sim pods, real sidecars and
+//! Faults end to end, on the loopback cluster: vllm-sim pods, real sidecars and
 //! routers, mutual TLS, every part talking over sockets.
 //!
 //! - **An engine dies mid-stream**: its streams end with an error event, streams on the other pod
@@ -299,8 +299,8 @@ async fn a_killed_sidecar_stops_traffic_within_three_reports_and_its_return_rest
     .await
     .unwrap();
     let unroutable = killed.elapsed();
-    // Documented (router/README.md, "Stale pods"): kept registered while the connection is up,
-    // no traffic.
+    // Documented (docs/decisions/0014-stale-after-three-reports.md): kept registered while the
+    // connection is up, no traffic.
     let still_registered = cluster.routers[0].pod_phase(&a_key).is_some();
     for n in 0..4 {
         let r = cluster

@@ -274,7 +274,7 @@ async fn every_dashboard_metric_is_exported() {
     s.count_tls_reload("applied");
     let mut have = BTreeSet::new();
     for url in [
-        format!("{}/metrics", cluster.routers[0].url()),
+        format!("{}/metrics", cluster.routers[0].admin_url()),
         format!("{}/metrics", pod.sidecar().url()),
         format!("{}/metrics", pod.vllm_url()),
     ] {
@@ -332,7 +332,7 @@ async fn sight_records_predicted_minus_engine_cached_tokens() {
         errors.push(p as f64 - e as f64);
     }
     assert!(engine > 0, "the repeated prompt was cached");
-    let router = format!("{}/metrics", cluster.routers[0].url());
+    let router = format!("{}/metrics", cluster.routers[0].admin_url());
     // The router records when it has copied the answer's last byte, a moment after the client
     // may have read it.
     let last = std::sync::Mutex::new(String::new());

@@ -1,5 +1,6 @@
-//! Scenario tests of request flow through kvsight on a loopback cluster (issue 6, scenarios 4, 5,
-//! 6 and 10), each compared with what a router without kvsight's signals would do:
+//! Scenario tests of request flow through kvsight on a loopback cluster (scenarios 4, 5, 6 and
+//! 10 of docs/bench/README.md's table), each compared with what a router without kvsight's
+//! signals would do:
 //!
 //! - **long/short pools**: a prompt over the short pool's window is answered by the long pool
 //!   (one hop, counted in `kvsight_router_retries_total`), also when only the engine's own 400
@@ -55,11 +56,11 @@ fn config(pods: Vec<PodSpec>) -> ClusterConfig {
     cfg
 }
 
-/// The body of `GET path` on router `r`.
+/// The body of `GET path` on router `r`'s admin listener.
 async fn router_get(cluster: &Cluster, r: usize, path: &str) -> String {
     cluster
         .http
-        .get(format!("{}{path}", cluster.routers[r].url()))
+        .get(format!("{}{path}", cluster.routers[r].admin_url()))
         .send()
         .await
         .unwrap()

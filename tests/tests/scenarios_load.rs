@@ -1,4 +1,4 @@
-//! Issue 6 scenarios about load the router did not send, warm-up, KV pressure and prefix caching
+//! Scenarios about load the router did not send, warm-up, KV pressure and prefix caching
 //! turned off. Each runs a loopback cluster (vllm-sim pods, real sidecars, a real router) and sends
 //! the same traffic through a router that cannot see — [`BlindRouter`], or kvsight with the
 //! relevant signal disabled by its config — and judges both by what the engines themselves count
@@ -147,7 +147,7 @@ async fn exec_load_bypassing_the_router_sends_new_work_elsewhere() {
         });
         hidden.spawn(async move { kvsight_testbed::cluster::post_json(&http, &url, &body).await });
     }
-    let router_url = cluster.routers[0].url();
+    let router_url = cluster.routers[0].admin_url();
     eventually("the router to report pod 0's unrouted load", WAIT, || {
         let (http, url, a) = (&cluster.http, &router_url, &a);
         async move {

@@ -4,15 +4,14 @@
 //!
 //! A replica that never sent a prompt knows, within a round trip, the pod another replica sent
 //! it to — as that prompt's home, and in the pod's projected load — so the tenant's next request
-//! through it follows, long before the pod's own reports could say anything. With
-//! `sharePlacements: false` nothing is relayed.
+//! through it follows, long before the pod's own reports could say anything. A replica that
+//! restarts is told where prefixes live by the sidecars. With `sharePlacements: false` nothing
+//! is relayed.
 
 use std::time::{Duration, Instant};
 
-use kvsight_protocol::hash::{ChainSeed, hash_chain};
-use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{
-    Cluster, ClusterConfig, PodSpec, WAIT, eventually, own_tokenizer_or_skip,
+    Cluster, ClusterConfig, PodSpec, WAIT, eventually, fast_engine, own_tokenizer_or_skip,
 };
 use kvsight_testbed::demo::unique_prompt;
 use serde_json::{Value, json};
@@ -23,31 +22,10 @@ const BLOCK: usize = 16;
 fn pods(n: usize) -> Vec<PodSpec> {
     (0..n)
         .map(|i| {
-            let engine = EngineConfig::builder()
-                .block_size(BLOCK)
-                .num_gpu_blocks(512)
-                .max_model_len(2048)
-                .compile_stall(Duration::ZERO)
-                .time_scale(0.05)
-                .seed(i as u64)
-                .build()
-                .unwrap();
+            let engine = fast_engine(BLOCK, 512, 2048, 0.05, i as u64);
             PodSpec::new(&format!("pod-{i}"), MODEL, engine).unwrap()
         })
         .collect()
-}
-
-/// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).
-async fn chain_of(cluster: &Cluster, prompt: &str) -> Vec<u64> {
-    let r = cluster
-        .post(0, "/tokenize", &json!({"model": MODEL, "prompt": prompt}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text);
-    let ids: Vec<u32> =
-        serde_json::from_value(serde_json::from_str::<Value>(&r.text).unwrap()["tokens"].clone())
-            .unwrap();
-    hash_chain(&ChainSeed::BASE, &ids, BLOCK)
 }
 
 /// The pod router `r` holds as `chain`'s home, if any.
@@ -103,7 +81,7 @@ async fn a_placement_through_one_replica_reaches_the_other_through_the_sidecar()
     cluster.wait_tokenizer(MODEL, WAIT).await.unwrap();
 
     let prompt = unique_prompt(1);
-    let chain = chain_of(&cluster, &prompt).await;
+    let chain = cluster.chain_of(MODEL, &prompt, BLOCK).await.unwrap();
     assert!(chain.len() > 8, "a prompt of several blocks");
     let (key, i) = cluster
         .routed_to(0, "/v1/completions", &completion(&prompt))
@@ -132,13 +110,23 @@ async fn a_placement_through_one_replica_reaches_the_other_through_the_sidecar()
     .await
     .unwrap();
 
+    // A restarted replica starts with no memory; the sidecars tell it where prefixes live.
+    cluster.restart_router(1).await.unwrap();
+    eventually(
+        "the restarted router 1 to learn the prompt's home",
+        WAIT,
+        || async { home_on(&cluster, 1, &chain).as_deref() == Some(key.as_str()) },
+    )
+    .await
+    .unwrap();
+
     // Sharing off on both replicas: a new prompt through router 0 is not relayed.
     cluster
         .reload_router_config("scheduler:\n  sharePlacements: false\n")
         .await
         .unwrap();
     let other = unique_prompt(2);
-    let other_chain = chain_of(&cluster, &other).await;
+    let other_chain = cluster.chain_of(MODEL, &other, BLOCK).await.unwrap();
     cluster
         .routed_to(0, "/v1/completions", &completion(&other))
         .await

@@ -2,8 +2,8 @@
 //!
 //! Tenants each have a long system prompt; the pods' caches hold some tenants each, the cluster
 //! holds them all. Past saturation every pod has requests waiting. A router that then falls back
-//! to the shortest queue (what kvsight did before its saturation rule was measured in time, and
-//! what a load-aware router without a cache view always does) sprays each tenant's prompts over
+//! to the shortest queue (what a load-aware router without a cache view does;
+//! docs/decisions/0002-saturation-in-time.md) sprays each tenant's prompts over
 //! every pod: every pod must hold every tenant, caches thrash, every miss is a full prefill, and
 //! the queues grow faster still. kvsight keeps each tenant where its cache is, skipping a loaded
 //! pod only when a sibling would start the request sooner counting the prefill it must redo.

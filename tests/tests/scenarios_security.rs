@@ -1,4 +1,4 @@
-//! Nothing joins the router's pool without a certificate from the configured CA (issue 5): a
+//! Nothing joins the router's pool without a certificate from the configured CA: a
 //! pod whose sidecar presents a certificate from another CA — a valid certificate, a working
 //! engine, a sidecar that reports Ready — is never registered and never receives a request,
 //! while its legitimate neighbour serves everything.
@@ -82,7 +82,7 @@ async fn a_pod_without_a_ca_signed_certificate_never_receives_a_request() {
     let pods: serde_json::Value = serde_json::from_str(
         &cluster
             .http
-            .get(format!("{}/debug/pods", cluster.routers[0].url()))
+            .get(format!("{}/debug/pods", cluster.routers[0].admin_url()))
             .send()
             .await
             .unwrap()

@@ -1,5 +1,6 @@
-//! Scenarios about the router's view staying true to the engines' real caches (issue 6, seed
-//! scenarios 7 and 9), on a loopback cluster: vllm-sim pods, real sidecars, real routers.
+//! Scenarios about the router's view staying true to the engines' real caches (scenarios 7 and
+//! 9 of docs/bench/README.md's table), on a loopback cluster: vllm-sim pods, real sidecars,
+//! real routers.
 //!
 //! - **Eviction truth**: once other traffic evicted a shared prefix from pod A, kvsight stops
 //!   crediting A with it (its prediction of cached tokens matches what A's engine then reports),
@@ -14,10 +15,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvsight_protocol::hash::{ChainSeed, hash_chain};
-use kvsight_sim::engine::EngineConfig;
 use kvsight_testbed::cluster::{
-    Cluster, ClusterConfig, PodSpec, Routed, WAIT, eventually, own_tokenizer_or_skip,
+    Cluster, ClusterConfig, PodSpec, Routed, WAIT, eventually, fast_engine, own_tokenizer_or_skip,
 };
 use kvsight_testbed::demo::{preamble, unique_prompt};
 use serde_json::{Value, json};
@@ -30,15 +29,7 @@ const BLOCK: usize = 16;
 fn pods(n: usize) -> Vec<PodSpec> {
     (0..n)
         .map(|i| {
-            let engine = EngineConfig::builder()
-                .block_size(BLOCK)
-                .num_gpu_blocks(128)
-                .max_model_len(1024)
-                .compile_stall(Duration::ZERO)
-                .time_scale(0.01)
-                .seed(i as u64)
-                .build()
-                .unwrap();
+            let engine = fast_engine(BLOCK, 128, 1024, 0.01, i as u64);
             PodSpec::new(&format!("pod-{i}"), MODEL, engine).unwrap()
         })
         .collect()
@@ -73,17 +64,9 @@ async fn first_question(cluster: &Cluster) -> (String, usize) {
         .unwrap()
 }
 
-/// The canonical chain of `prompt` as the engine tokenizes it (ids from `/tokenize`).
+/// The canonical chain of `prompt` as the engine tokenizes it.
 async fn chain_of(cluster: &Cluster, prompt: &str) -> Vec<u64> {
-    let r = cluster
-        .post(0, "/tokenize", &json!({"model": MODEL, "prompt": prompt}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text);
-    let ids: Vec<u32> =
-        serde_json::from_value(serde_json::from_str::<Value>(&r.text).unwrap()["tokens"].clone())
-            .unwrap();
-    hash_chain(&ChainSeed::BASE, &ids, BLOCK)
+    cluster.chain_of(MODEL, prompt, BLOCK).await.unwrap()
 }
 
 /// Leading blocks of `chain` router `r` believes pod `key` holds in its cache (pending excluded).

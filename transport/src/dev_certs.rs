@@ -53,11 +53,30 @@ impl DevCa {
         self.issuer.pem()
     }
 
-    /// A leaf for `common_name`, valid for the DNS names / IP addresses in `sans`.
+    /// A leaf for `common_name`, valid for the DNS names / IP addresses in `sans`; a SAN with
+    /// `://` in it is a URI (`kvsight://pod/<namespace>/<name>` grants a sidecar its pod name).
     pub fn issue(&self, common_name: &str, sans: &[&str]) -> Result<IssuedPem, TransportError> {
+        self.issue_until(common_name, sans, None)
+    }
+
+    /// [`issue`](Self::issue) with the certificate's end of validity (default: far ahead).
+    pub fn issue_until(
+        &self,
+        common_name: &str,
+        sans: &[&str],
+        not_after: Option<std::time::SystemTime>,
+    ) -> Result<IssuedPem, TransportError> {
+        let (uris, names): (Vec<&str>, Vec<&str>) = sans.iter().partition(|s| s.contains("://"));
         let mut params =
-            CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
                 .map_err(err)?;
+        for uri in uris {
+            let uri = rcgen::string::Ia5String::try_from(uri.to_owned()).map_err(err)?;
+            params.subject_alt_names.push(rcgen::SanType::URI(uri));
+        }
+        if let Some(t) = not_after {
+            params.not_after = time::OffsetDateTime::from(t);
+        }
         params
             .distinguished_name
             .push(DnType::CommonName, common_name);
@@ -71,6 +90,15 @@ impl DevCa {
             cert: cert.pem(),
             key: key.serialize_pem(),
         })
+    }
+
+    /// TLS material from an issued leaf, trusting this CA.
+    pub fn material_of(&self, leaf: &IssuedPem) -> Result<TlsMaterial, TransportError> {
+        TlsMaterial::from_pem(
+            leaf.cert.as_bytes(),
+            leaf.key.as_bytes(),
+            self.ca_pem().as_bytes(),
+        )
     }
 
     /// A leaf for `common_name` as ready-to-use TLS material trusting this CA.

@@ -11,6 +11,14 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 
 use crate::{TlsMaterial, TransportError};
 
+/// Receive buffer the router asks the kernel for on its UDP socket (Linux caps it at
+/// `net.core.rmem_max`). Every sidecar sends its filter snapshot the moment it connects, and when
+/// a router starts in front of a fleet they all connect at once: a thousand pods' snapshots
+/// (about 160 KB each at 125,000 KV blocks) arrive within a second or two, and behind the
+/// usual 208 KB default the kernel drops most of them. See
+/// `docs/decisions/0200-router-udp-receive-buffer.md`.
+pub const SERVER_RECV_BUFFER: usize = 8 << 20;
+
 /// Interval of QUIC keep-alive packets.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// A connection with no packets for this long is closed.
@@ -47,8 +55,10 @@ pub fn client_config(tls: &TlsMaterial) -> Result<quinn::ClientConfig, Transport
     Ok(cfg)
 }
 
-/// The router's endpoint on an already bound UDP socket (tests bind `127.0.0.1:0`).
+/// The router's endpoint on an already bound UDP socket (tests bind `127.0.0.1:0`), its receive
+/// buffer enlarged towards [`SERVER_RECV_BUFFER`].
 pub fn server(socket: UdpSocket, tls: &TlsMaterial) -> Result<quinn::Endpoint, TransportError> {
+    enlarge_recv_buffer(&socket, SERVER_RECV_BUFFER);
     let runtime = quinn::default_runtime().ok_or(TransportError::NoRuntime)?;
     quinn::Endpoint::new(
         quinn::EndpointConfig::default(),
@@ -59,10 +69,44 @@ pub fn server(socket: UdpSocket, tls: &TlsMaterial) -> Result<quinn::Endpoint, T
     .map_err(TransportError::Io)
 }
 
+/// Asks for a receive buffer of `want` bytes and returns what the kernel reports (Linux grants
+/// twice the asked size, capped at twice `net.core.rmem_max`). Less than asked is logged with the
+/// sysctl that limits it: the endpoint still works, but a fleet reconnecting at once loses
+/// datagrams.
+fn enlarge_recv_buffer(socket: &UdpSocket, want: usize) -> Option<usize> {
+    let sock = socket2::SockRef::from(socket);
+    if let Err(e) = sock.set_recv_buffer_size(want) {
+        tracing::warn!(error = %e, want, "cannot set the UDP receive buffer");
+    }
+    let got = sock.recv_buffer_size().ok()?;
+    if got < want {
+        tracing::warn!(
+            bytes = got,
+            wanted = want,
+            "UDP receive buffer smaller than asked: raise net.core.rmem_max on the node, or a fleet reconnecting at once loses snapshots"
+        );
+    }
+    Some(got)
+}
+
 /// The sidecar's endpoint, bound to `bind` (usually `0.0.0.0:0` or `[::]:0`).
 pub fn client(bind: SocketAddr, tls: &TlsMaterial) -> Result<quinn::Endpoint, TransportError> {
     let cfg = client_config(tls)?;
     let mut endpoint = quinn::Endpoint::client(bind).map_err(TransportError::Io)?;
     endpoint.set_default_client_config(cfg);
     Ok(endpoint)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_receive_buffer_grows_past_the_default() {
+        let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let before = socket2::SockRef::from(&socket).recv_buffer_size().unwrap();
+        let got = enlarge_recv_buffer(&socket, before * 4).unwrap();
+        // Capped by net.core.rmem_max, which may equal the default on a stock kernel.
+        assert!(got >= before, "{got} < {before}");
+    }
 }

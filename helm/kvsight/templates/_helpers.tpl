@@ -91,12 +91,27 @@ kvsight-sidecar.{{ .Release.Namespace }}
 {{- end -}}
 {{- end -}}
 
+{{/* A model server's sidecar Secret: {root, server}. In certManager mode each model server
+has its own (its certificate grants only its pods' names). */}}
 {{- define "kvsight.sidecarTlsSecret" -}}
-{{- if eq .Values.tls.mode "existingSecrets" -}}
-{{- required "tls.existingSecrets.sidecar is required when tls.mode is existingSecrets (a Secret with tls.crt, tls.key and ca.crt)" .Values.tls.existingSecrets.sidecar -}}
+{{- $v := .root.Values -}}
+{{- if eq $v.tls.mode "existingSecrets" -}}
+{{- required "tls.existingSecrets.sidecar is required when tls.mode is existingSecrets (a Secret with tls.crt, tls.key and ca.crt)" $v.tls.existingSecrets.sidecar -}}
 {{- else -}}
-{{ include "kvsight.fullname" . }}-sidecar-tls
+{{ include "kvsight.modelServerName" . }}-sidecar-tls
 {{- end -}}
+{{- end -}}
+
+{{/* A model server's Deployment name: {root, server}. */}}
+{{- define "kvsight.modelServerName" -}}
+{{- printf "%s-%s" (include "kvsight.fullname" .root) .server.name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The URI SAN granting a model server's sidecars their pods' names: {root, server}. Pods of a
+Deployment are named <deployment>-<hash>-<suffix>, the start cut to 58 characters; 46 keep the
+deployment's name and its dash whole below that. */}}
+{{- define "kvsight.podGrant" -}}
+kvsight://pod/{{ .root.Release.Namespace }}/{{ printf "%s-" (include "kvsight.modelServerName" .) | trunc 46 }}*
 {{- end -}}
 
 {{- define "kvsight.restrictedSecurityContext" -}}
@@ -129,7 +144,11 @@ The kvsight sidecar container. Include it in any vLLM pod:
       ...
     {{- include "kvsight.sidecar" (dict "root" $ "maxNumSeqs" 256 "podLabels" (dict "kvsight.io/pool" "short")) | nindent 4 }}
   volumes:
-    {{- include "kvsight.sidecarVolumes" $ | nindent 4 }}
+    {{- include "kvsight.sidecarVolumes" (dict "root" $ "server" (dict "name" "my-server")) | nindent 4 }}
+
+(certManager mode issues the sidecar Secret of each entry of modelServers only: a pod outside
+them needs a certificate of its own whose URI SAN kvsight://pod/<namespace>/<name> grants its
+pod's name.)
 
 Keys: root (the chart context, required), maxNumSeqs (required: vLLM's --max-num-seqs),
 maxNumBatchedTokens, podLabels (labels routers select pools by), vllmPort (default 8000),
@@ -155,6 +174,9 @@ of termination, while vLLM still serves.
   imagePullPolicy: {{ $v.sidecar.image.pullPolicy }}
   args:
     - --listen=0.0.0.0:{{ $port }}
+    {{- with $v.sidecar.debugListen }}
+    - --debug-listen={{ . }}
+    {{- end }}
   env:
     - name: RUST_LOG
       value: {{ $v.sidecar.logLevel | quote }}

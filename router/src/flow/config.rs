@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::ConfigError;
 
@@ -18,7 +18,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 
 /// Flow control (`crate::flow`). Off by default: every request is picked and sent at once, as
 /// without this section.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct FlowControlConfig {
     /// Default false.
@@ -43,7 +43,7 @@ pub struct FlowControlConfig {
 }
 
 /// One class of requests.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClassConfig {
     pub name: String,
@@ -73,7 +73,7 @@ fn default_max_wait() -> f64 {
 }
 
 /// A rule: requests for `model` get `class` and/or `tenant`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RuleConfig {
     /// The body's `model` (a served name or LoRA adapter), exactly.

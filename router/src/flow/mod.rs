@@ -434,26 +434,15 @@ pub async fn admit(
         if predicted > until_deadline {
             return Err(shed(state, &class, "deadline", predicted));
         }
-        let full = |q: &Queue<Waiter>| {
-            q.len() >= cfg.max_queued_requests || q.bytes() + bytes > cfg.max_queued_bytes
-        };
-        // Bounded: each turn displaces one entry.
-        for _ in 0..cfg.max_queued_requests.max(1) {
-            if !full(&q) {
-                break;
-            }
-            let Some(victim) = q.displaceable(class_cfg.priority) else {
-                return Err(shed(state, &class, "queue_full", predicted));
-            };
-            if let Some(v) = q.remove(victim, now) {
-                m.left_queue(&v.payload.class, &v.tenant);
-                let err = shed(state, &v.payload.class, "displaced", predicted);
-                let _ = v.payload.tx.send(Err(err));
-            }
-        }
-        if full(&q) {
-            return Err(shed(state, &class, "queue_full", predicted));
-        }
+        make_room(
+            state,
+            cfg,
+            &mut q,
+            class_cfg.priority,
+            bytes,
+            &class,
+            predicted,
+        )?;
         let (tx, rx) = oneshot::channel();
         let id = q.push(
             Join {
@@ -478,23 +467,67 @@ pub async fn admit(
         (id, rx, now + wait_for, wait_for)
     };
     state.flow.ensure_dispatcher(state);
-    let mut queued = Queued {
+    let queued = Queued {
         state: state.clone(),
         id,
-        class: class.clone(),
+        class,
         tenant,
         rx,
         answered: false,
     };
+    wait(queued, expiry, wait_for).await
+}
+
+/// Makes room for an entry of `priority` holding `bytes`: displaces lower priorities while the
+/// queue is full (each answered 429), or sheds the arrival when nothing lower is there.
+fn make_room(
+    state: &State,
+    cfg: &FlowControlConfig,
+    q: &mut Queue<Waiter>,
+    priority: i32,
+    bytes: usize,
+    class: &str,
+    predicted: Duration,
+) -> Result<(), ApiError> {
+    let full = |q: &Queue<Waiter>| {
+        q.len() >= cfg.max_queued_requests || q.bytes() + bytes > cfg.max_queued_bytes
+    };
+    // Bounded: each turn displaces one entry.
+    for _ in 0..cfg.max_queued_requests.max(1) {
+        if !full(q) {
+            return Ok(());
+        }
+        let Some(victim) = q.displaceable(priority) else {
+            break;
+        };
+        if let Some(v) = q.remove(victim, TokioInstant::now()) {
+            state.metrics.flow.left_queue(&v.payload.class, &v.tenant);
+            let err = shed(state, &v.payload.class, "displaced", predicted);
+            let _ = v.payload.tx.send(Err(err));
+        }
+    }
+    if full(q) {
+        return Err(shed(state, class, "queue_full", predicted));
+    }
+    Ok(())
+}
+
+/// Waits for a queued request's pick, or answers 429 when it is still queued at `expiry`.
+async fn wait(
+    mut queued: Queued,
+    expiry: TokioInstant,
+    wait_for: Duration,
+) -> Result<Admitted, ApiError> {
     let result = tokio::select! {
         r = &mut queued.rx => r,
         _ = tokio::time::sleep_until(expiry) => {
-            let removed = state.flow.queue().remove(id, TokioInstant::now());
+            let state = queued.state.clone();
+            let removed = state.flow.queue().remove(queued.id, TokioInstant::now());
             match removed {
                 Some(_) => {
-                    m.left_queue(&class, &queued.tenant);
+                    state.metrics.flow.left_queue(&queued.class, &queued.tenant);
                     queued.answered = true;
-                    return Err(shed(state, &class, "wait_expired", wait_for));
+                    return Err(shed(&state, &queued.class, "wait_expired", wait_for));
                 }
                 // Dispatched meanwhile: the answer is in the channel.
                 None => (&mut queued.rx).await,

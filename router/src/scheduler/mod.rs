@@ -309,6 +309,10 @@ impl Scheduler {
 
     /// [`Self::pick_prepared`] with the ranking of the open candidates given: the unit tests swap
     /// in the plain one (every match computed, then sorted) as the reference.
+    ///
+    /// The phases: the eligible candidates with their homes ([`Self::eligible`]), the homes'
+    /// claims ([`claim_homes`]), the saturation rule's open set ([`open_set`]), the room of a
+    /// new prefix ([`mark_room`]), the ranking, and the winner recorded ([`Self::record`]).
     fn pick_ranked_by<'r>(
         &self,
         reg: &mut Registry,
@@ -339,43 +343,14 @@ impl Scheduler {
             lora: seed.lora,
             fleet: Fleet::of(reg.pods().filter(|p| p.serves(req.model))),
         };
-        let m = &mut *m;
-        // Set when a pod that serves the model and is ready cannot hold the prompt.
-        let mut too_long = false;
-        let mut eligible: Vec<Candidate<'_>> = Vec::with_capacity(reg.len());
-        let homes_ttl = self.cfg.affinity_ttl();
         // Homes are remembered and read only while a weight uses them.
         let homes_on = self.cfg.weights.effective(ScorerKind::Affinity) > 0.0;
-        // One home lookup per chain shape (pods of one model usually share one).
-        let mut home_of: Vec<(usize, Option<crate::homes::Found<'_>>)> = Vec::new();
-        // Pods of other models never become candidates: building one would hash the prompt at
-        // their block size and prepare it for their filter shape, under the lock, for nothing.
-        for pod in reg.pods().filter(|p| p.serves(req.model)) {
-            let mut cand = m.candidate(pod, req);
-            if homes_on {
-                let found = match home_of.iter().find(|(i, _)| *i == cand.chain_index) {
-                    Some((_, f)) => *f,
-                    None => {
-                        let f = reg
-                            .homes()
-                            .find(&m.chains[cand.chain_index].1, now, homes_ttl);
-                        home_of.push((cand.chain_index, f));
-                        f
-                    }
-                };
-                if let Some(f) = found.filter(|f| f.pod == pod.key) {
-                    cand.home_depth = f.blocks;
-                }
-            }
-            // Filters run in order (serves, ready, window): a pod refused as too long serves
-            // the model and is ready.
-            match self.hard.iter().try_for_each(|f| f.check(&ctx, &cand)) {
-                Ok(()) => eligible.push(cand),
-                Err(Rejection::TooLong) => too_long = true,
-                Err(Rejection::OtherModel | Rejection::NotReady | Rejection::Excluded) => {}
-            }
-        }
-        if eligible.is_empty() {
+        let Eligible {
+            mut cands,
+            homed,
+            too_long,
+        } = self.eligible(reg, &ctx, m, homes_on);
+        if cands.is_empty() {
             return Err(if too_long {
                 PickError::TooLong {
                     prompt_tokens: req.prompt_tokens,
@@ -384,113 +359,15 @@ impl Scheduler {
                 PickError::NoReadyPod(req.model.to_owned())
             });
         }
-        if eligible.iter().any(|c| c.home_depth > 0) {
-            // A home is worth what it holds beyond the commons, so every match is needed (a
-            // pick with a home only; ≤ a few dozen pods of a model); and nothing while it
-            // carries far more than its share of the load.
-            for c in eligible.iter_mut() {
-                m.resolve(c, req, now);
-            }
-            let mut others: Vec<usize> = Vec::with_capacity(eligible.len());
-            let load = |c: &Candidate<'_>| f64::from(c.projection.running + c.projection.waiting);
-            let mean_load = eligible.iter().map(load).sum::<f64>() / eligible.len() as f64;
-            for i in 0..eligible.len() {
-                if eligible[i].home_depth == 0 {
-                    continue;
-                }
-                others.clear();
-                // Pods hashing the prompt another way (block size) count blocks another way.
-                let chain = eligible[i].chain_index;
-                others.extend(
-                    (0..eligible.len())
-                        .filter(|&j| j != i && eligible[j].chain_index == chain)
-                        .map(|j| eligible[j].matched_blocks),
-                );
-                let overloaded = crate::homes::overloaded(load(&eligible[i]), mean_load);
-                let commons = crate::homes::commons(&mut others);
-                // What a move would evict: see `homes::eviction_share`.
-                let evicts = (0..eligible.len())
-                    .filter(|&j| j != i)
-                    .map(|j| {
-                        let o = &eligible[j];
-                        crate::homes::eviction_share(
-                            o.new_blocks,
-                            o.projection.kv_usage,
-                            o.pod.hello.engine.num_gpu_blocks,
-                        )
-                    })
-                    .reduce(f64::max)
-                    .unwrap_or(1.0);
-                let c = &mut eligible[i];
-                c.home = if overloaded {
-                    0.0
-                } else {
-                    crate::homes::claim(c.home_depth, commons, c.chain_len, evicts)
-                };
-            }
+        if cands.iter().any(|c| c.home_depth > 0) {
+            claim_homes(&mut cands, m, req, now);
         }
-        let n_eligible = eligible.len();
-        // See `saturation`. Candidates come assuming nothing cached, the most blocks a prompt
-        // can add: a pod whose cache has room for that has room for its real match, which is
-        // computed only when the bound says "full". Busy pods are compared by predicted time to
-        // first token, which needs their real match.
-        let (mut free, mut busy, mut full) =
-            (Vec::with_capacity(n_eligible), Vec::new(), Vec::new());
-        for mut c in eligible {
-            match saturation::pressure(&ctx, &c) {
-                Pressure::Free => {
-                    free.push(c);
-                    continue;
-                }
-                // The bound assumed nothing cached: decide on the real match.
-                Pressure::Tight | Pressure::Full => m.resolve(&mut c, req, now),
-                Pressure::Busy => {
-                    m.resolve(&mut c, req, now);
-                    busy.push(c);
-                    continue;
-                }
-            }
-            match saturation::pressure(&ctx, &c) {
-                Pressure::Free => free.push(c),
-                Pressure::Busy | Pressure::Tight => busy.push(c),
-                Pressure::Full if saturation::full_home_competes(&c) => busy.push(c),
-                Pressure::Full => full.push(c),
-            }
-        }
-        let least_request = !free
-            .iter()
-            .chain(&busy)
-            .chain(&full)
-            .any(|c| c.pod.hello.engine.prefix_caching);
-        let mut open = free;
-        if !open.is_empty() && !busy.is_empty() {
-            // A busy pod competes only if it would start the request no later than the best
-            // free one, counting what each must compute.
-            for c in open.iter_mut() {
-                m.resolve(c, req, now);
-            }
-            let (best_free, best_free_prefill) = saturation::soonest(&ctx, &open);
-            // The prompt's home may be a little later: see `saturation` on homes.
-            open.extend(busy.drain(..).filter(|c| {
-                saturation::predicted_ttft(&ctx, c)
-                    <= best_free + saturation::home_slack(&ctx, c, best_free_prefill)
-            }));
-        }
-        let all_saturated = open.is_empty();
-        if all_saturated {
-            // Every pod busy or full: they all compete, ranked like free pods (the queue, KV
-            // and running scorers still prefer the lighter ones).
-            open.append(&mut busy);
-            open.append(&mut full);
-            // The rare pod whose queue stands still is left out (see `saturation`).
-            if open.len() > 1 {
-                for c in open.iter_mut() {
-                    m.resolve(c, req, now);
-                }
-                let cutoff = saturation::saturated_cutoff(&ctx, &open);
-                open.retain(|c| saturation::predicted_ttft(&ctx, c) <= cutoff);
-            }
-        }
+        let n_eligible = cands.len();
+        let Open {
+            cands: mut open,
+            all_saturated,
+            least_request,
+        } = open_set(&ctx, cands, m);
         // An infinite budget is no gate (flow control turned off with requests still queued).
         if let Some(Gate {
             wait_budget_s: budget,
@@ -520,22 +397,8 @@ impl Scheduler {
             }
         }
         // A new prefix is placed where it will have room to stay: see `scorers::affinity`.
-        let new_prefix = homes_on
-            && open.len() > 1
-            && !home_of.iter().any(|(_, f)| f.is_some())
-            && open.iter().all(|c| c.chain_len > 0);
-        if new_prefix {
-            for c in open.iter_mut() {
-                m.resolve(c, req, now);
-            }
-            if open.iter().all(|c| c.matched_blocks * 4 < c.chain_len) {
-                let cut = saturation::room_cutoff(&ctx, &open);
-                for c in open.iter_mut() {
-                    let blocks = c.pod.hello.engine.num_gpu_blocks.max(1) as f64;
-                    c.room = (saturation::predicted_ttft(&ctx, c) <= cut)
-                        .then(|| reg.homes().working_set(&c.pod.key) as f64 / blocks);
-                }
-            }
+        if homes_on && !homed && open.len() > 1 && open.iter().all(|c| c.chain_len > 0) {
+            mark_room(&ctx, reg, &mut open, m);
         }
         let (winner, total, margin, scores) = {
             let used: Vec<&Weighted> = self
@@ -553,7 +416,6 @@ impl Scheduler {
                 .collect();
             (&open[best], total, margin, scores)
         };
-
         let bs = winner.pod.hello.engine.block_size.max(1);
         debug_assert!(winner.exact, "the winner's match is computed");
         let decision = Decision {
@@ -572,26 +434,267 @@ impl Scheduler {
             saturation_skipped: n_eligible - open.len(),
             placement_shared: None,
         };
-        let new_blocks = winner.new_blocks;
-        let record_chain: &[u64] = if winner.pod.hello.engine.prefix_caching {
-            &m.chains[winner.chain_index].1
+        let (caching, chain_index) = (winner.pod.hello.engine.prefix_caching, winner.chain_index);
+        let picked = (winner.new_blocks, winner.uncached_tokens);
+        drop(open);
+        let chain: &[u64] = if caching {
+            &m.chains[chain_index].1
         } else {
             &[]
         };
+        Ok(self.record(reg, decision, picked, chain, now, homes_on))
+    }
+
+    /// Every pod of the model that passes the hard filters, as a candidate assuming nothing
+    /// cached, with the depth of the prompt's home when it is this pod; whether the prompt has
+    /// a home anywhere; whether a ready pod refused it only as too long.
+    fn eligible<'p>(
+        &self,
+        reg: &'p Registry,
+        ctx: &Ctx<'_>,
+        m: &mut PromptHashes<'_>,
+        homes_on: bool,
+    ) -> Eligible<'p> {
+        let homes_ttl = self.cfg.affinity_ttl();
+        let mut out = Eligible {
+            cands: Vec::with_capacity(reg.len()),
+            homed: false,
+            too_long: false,
+        };
+        // One home lookup per chain shape (pods of one model usually share one).
+        let mut home_of: Vec<(usize, Option<crate::homes::Found<'_>>)> = Vec::new();
+        // Pods of other models never become candidates: building one would hash the prompt at
+        // their block size and prepare it for their filter shape, under the lock, for nothing.
+        for pod in reg.pods().filter(|p| p.serves(ctx.req.model)) {
+            let mut cand = m.candidate(pod, ctx.req);
+            if homes_on {
+                let found = match home_of.iter().find(|(i, _)| *i == cand.chain_index) {
+                    Some((_, f)) => *f,
+                    None => {
+                        let f = reg
+                            .homes()
+                            .find(&m.chains[cand.chain_index].1, ctx.now, homes_ttl);
+                        home_of.push((cand.chain_index, f));
+                        f
+                    }
+                };
+                if let Some(f) = found.filter(|f| f.pod == pod.key) {
+                    cand.home_depth = f.blocks;
+                }
+            }
+            // Filters run in order (serves, ready, window): a pod refused as too long serves
+            // the model and is ready.
+            match self.hard.iter().try_for_each(|f| f.check(ctx, &cand)) {
+                Ok(()) => out.cands.push(cand),
+                Err(Rejection::TooLong) => out.too_long = true,
+                Err(Rejection::OtherModel | Rejection::NotReady | Rejection::Excluded) => {}
+            }
+        }
+        out.homed = home_of.iter().any(|(_, f)| f.is_some());
+        out
+    }
+
+    /// Records the pick in the registry (in flight, pending chain, the outbox to the other
+    /// replicas, the prefix's home) and returns the decision with what was shared.
+    fn record(
+        &self,
+        reg: &mut Registry,
+        decision: Decision,
+        (new_blocks, uncached_tokens): (u32, u32),
+        chain: &[u64],
+        now: Instant,
+        homes_on: bool,
+    ) -> Decision {
         let picked = Picked {
             new_blocks,
-            uncached_tokens: winner.uncached_tokens,
-            chain: record_chain,
+            uncached_tokens,
+            chain,
             share: self.cfg.share_placements,
         };
         let shared = reg.record_pick(&decision.pod, &picked, now, self.cfg.pending_ttl());
         if homes_on {
-            reg.record_home(&decision.pod, record_chain, now, homes_ttl);
+            reg.record_home(&decision.pod, chain, now, self.cfg.affinity_ttl());
         }
-        Ok(Decision {
+        Decision {
             placement_shared: shared,
             ..decision
-        })
+        }
+    }
+}
+
+/// What [`Scheduler::eligible`] found.
+struct Eligible<'p> {
+    cands: Vec<Candidate<'p>>,
+    /// The prompt has a home on some pod (eligible or not).
+    homed: bool,
+    too_long: bool,
+}
+
+/// Pods whose matches the commons are read from when a model has more: the median of a sample
+/// this size estimates it well, and matching every pod of a large fleet exactly would cost a
+/// full filter scan per pod on every pick with a home.
+pub const COMMONS_SAMPLE: usize = 32;
+
+/// A home is worth what it holds beyond the commons (what most other pods hold too); nothing
+/// while it carries far more than its share of the load. Up to [`COMMONS_SAMPLE`] other pods'
+/// matches are computed exactly (all of them in a fleet that small, an even spread otherwise),
+/// and the commons and the eviction share are read from them.
+fn claim_homes(
+    eligible: &mut [Candidate<'_>],
+    m: &PromptHashes<'_>,
+    req: &PickRequest<'_>,
+    now: Instant,
+) {
+    let n = eligible.len();
+    let sampled: Vec<usize> = if n <= COMMONS_SAMPLE + 1 {
+        (0..n).collect()
+    } else {
+        (0..COMMONS_SAMPLE)
+            .map(|k| k * n / COMMONS_SAMPLE)
+            .collect()
+    };
+    for &j in &sampled {
+        m.resolve(&mut eligible[j], req, now);
+    }
+    for c in eligible.iter_mut().filter(|c| c.home_depth > 0) {
+        m.resolve(c, req, now);
+    }
+    let mut others: Vec<usize> = Vec::with_capacity(sampled.len());
+    let load = |c: &Candidate<'_>| f64::from(c.projection.running + c.projection.waiting);
+    let mean_load = eligible.iter().map(load).sum::<f64>() / n as f64;
+    for i in 0..n {
+        if eligible[i].home_depth == 0 {
+            continue;
+        }
+        others.clear();
+        // Pods hashing the prompt another way (block size) count blocks another way.
+        let chain = eligible[i].chain_index;
+        others.extend(
+            sampled
+                .iter()
+                .filter(|&&j| j != i && eligible[j].chain_index == chain)
+                .map(|&j| eligible[j].matched_blocks),
+        );
+        let overloaded = crate::homes::overloaded(load(&eligible[i]), mean_load);
+        let commons = crate::homes::commons(&mut others);
+        // What a move would evict: see `homes::eviction_share`.
+        let evicts = sampled
+            .iter()
+            .filter(|&&j| j != i)
+            .map(|&j| {
+                let o = &eligible[j];
+                crate::homes::eviction_share(
+                    o.new_blocks,
+                    o.projection.kv_usage,
+                    o.pod.hello.engine.num_gpu_blocks,
+                )
+            })
+            .reduce(f64::max)
+            .unwrap_or(1.0);
+        let c = &mut eligible[i];
+        c.home = if overloaded {
+            0.0
+        } else {
+            crate::homes::claim(c.home_depth, commons, c.chain_len, evicts)
+        };
+    }
+}
+
+/// The candidates the ranking sees ([`open_set`]), whether they are all saturated, and whether
+/// least-request scoring applies (no candidate caches prefixes).
+struct Open<'p> {
+    cands: Vec<Candidate<'p>>,
+    all_saturated: bool,
+    least_request: bool,
+}
+
+/// The saturation rule (see `saturation`): free pods, then busy ones that would start the
+/// request no later than the best free pod (a home with its slack); when none is free, every
+/// pod but an outlier whose queue stands still.
+fn open_set<'p>(ctx: &Ctx<'_>, eligible: Vec<Candidate<'p>>, m: &PromptHashes<'_>) -> Open<'p> {
+    let (req, now) = (ctx.req, ctx.now);
+    // Candidates come assuming nothing cached, the most blocks a prompt can add: a pod whose
+    // cache has room for that has room for its real match, which is computed only when the
+    // bound says "full". Busy pods are compared by predicted time to first token, which needs
+    // their real match.
+    let (mut free, mut busy, mut full) =
+        (Vec::with_capacity(eligible.len()), Vec::new(), Vec::new());
+    for mut c in eligible {
+        match saturation::pressure(ctx, &c) {
+            Pressure::Free => {
+                free.push(c);
+                continue;
+            }
+            // The bound assumed nothing cached: decide on the real match.
+            Pressure::Tight | Pressure::Full => m.resolve(&mut c, req, now),
+            Pressure::Busy => {
+                m.resolve(&mut c, req, now);
+                busy.push(c);
+                continue;
+            }
+        }
+        match saturation::pressure(ctx, &c) {
+            Pressure::Free => free.push(c),
+            Pressure::Busy | Pressure::Tight => busy.push(c),
+            Pressure::Full if saturation::full_home_competes(&c) => busy.push(c),
+            Pressure::Full => full.push(c),
+        }
+    }
+    let least_request = !free
+        .iter()
+        .chain(&busy)
+        .chain(&full)
+        .any(|c| c.pod.hello.engine.prefix_caching);
+    let mut open = free;
+    if !open.is_empty() && !busy.is_empty() {
+        // A busy pod competes only if it would start the request no later than the best free
+        // one, counting what each must compute.
+        for c in open.iter_mut() {
+            m.resolve(c, req, now);
+        }
+        let (best_free, best_free_prefill) = saturation::soonest(ctx, &open);
+        // The prompt's home may be a little later: see `saturation` on homes.
+        open.extend(busy.drain(..).filter(|c| {
+            saturation::predicted_ttft(ctx, c)
+                <= best_free + saturation::home_slack(ctx, c, best_free_prefill)
+        }));
+    }
+    let all_saturated = open.is_empty();
+    if all_saturated {
+        // Every pod busy or full: they all compete, ranked like free pods (the queue, KV and
+        // running scorers still prefer the lighter ones).
+        open.append(&mut busy);
+        open.append(&mut full);
+        // The rare pod whose queue stands still is left out (see `saturation`).
+        if open.len() > 1 {
+            for c in open.iter_mut() {
+                m.resolve(c, req, now);
+            }
+            let cutoff = saturation::saturated_cutoff(ctx, &open);
+            open.retain(|c| saturation::predicted_ttft(ctx, c) <= cutoff);
+        }
+    }
+    Open {
+        cands: open,
+        all_saturated,
+        least_request,
+    }
+}
+
+/// For a new prefix (no home anywhere, no pod caching a quarter of it): each open pod's
+/// working-set share of its cache, when it would start the prompt within a home's slack of the
+/// soonest (see `scorers::affinity`).
+fn mark_room(ctx: &Ctx<'_>, reg: &Registry, open: &mut [Candidate<'_>], m: &PromptHashes<'_>) {
+    for c in open.iter_mut() {
+        m.resolve(c, ctx.req, ctx.now);
+    }
+    if open.iter().all(|c| c.matched_blocks * 4 < c.chain_len) {
+        let cut = saturation::room_cutoff(ctx, open);
+        for c in open.iter_mut() {
+            let blocks = c.pod.hello.engine.num_gpu_blocks.max(1) as f64;
+            c.room = (saturation::predicted_ttft(ctx, c) <= cut)
+                .then(|| reg.homes().working_set(&c.pod.key) as f64 / blocks);
+        }
     }
 }
 

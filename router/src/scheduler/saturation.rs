@@ -1,4 +1,4 @@
-//! The saturation rule, measured in time.
+//! The saturation rule, judged in time (docs/decisions/0002-saturation-in-time.md).
 //!
 //! Three tests, each on the pod's projected load (its last report plus what this router sent
 //! since):
@@ -13,41 +13,27 @@
 //! for the prompt's home ([`full_home_competes`]), which competes as a busy pod. Busy and
 //! tight are signals, not verdicts: skipping a loaded pod that holds the prompt's prefix sends
 //! the request to a sibling that must compute the whole prompt again, and under load that trade
-//! fails — every miss adds a full prefill, queues grow, caches thrash, more requests miss (the
-//! death spiral of routers that fall back to the shortest queue; measured in the bench). So each
-//! candidate gets a predicted time to first token: the prefill backlog ahead of it plus this
-//! request's own uncached tokens, at the pod's prefill rate. A busy or tight pod competes only if
-//! it would start the request no later than the best pod that is neither; competing pods are then
-//! ranked by the weighted scorers. When no pod is free, every busy and tight pod competes (and
-//! when every pod is full, every pod): the scorers' queue, KV and running terms still prefer the
-//! lighter ones, while the prefix term keeps each prompt where its cache is. Deciding those by
-//! predicted time alone was measured to collapse just like the shortest queue (the backlog is an
-//! estimate; a prefix cache is a fact); only an outlier, a pod predicted to take several times
-//! what the typical one does ([`SATURATED_OUTLIER`]), is left out.
+//! feeds a death spiral of misses. So each candidate gets a predicted time to first token: the
+//! prefill backlog ahead of it plus this request's own uncached tokens, at the pod's prefill
+//! rate. A busy or tight pod competes only if it would start the request no later than the best
+//! pod that is neither; competing pods are then ranked by the weighted scorers. When no pod is
+//! free, every busy and tight pod competes (and when every pod is full, every pod): the backlog
+//! is an estimate, a prefix cache is a fact, so the scorers decide, and only an outlier
+//! ([`SATURATED_OUTLIER`]) is left out.
 //!
-//! A prompt's *home* ([`crate::homes`], while the `affinity` weight is on, as by default) may
-//! start a little later than the best free pod and still compete ([`home_slack`]): by up to
-//! [`HOME_SLACK_PREFILLS`] of the free pods' shortest own prefill of the prompt, scaled by how
-//! much of the prompt the home covers, and under KV pressure only while the prompt adds few
-//! blocks. Moving a prefix off its home costs that prefill at least twice — once now, and once
-//! more for whichever prefix the copy evicts from the sibling's cache (measured on issue 16's
-//! KV-starved load, with the home score: moves of a tenant off its first pod fell from 178–228
-//! to 32–40 of 480 requests; with full homes competing and ten prefills of slack, to 2–17).
-//! The home's value already carries what a move would evict ([`crate::homes::eviction_share`]):
-//! where every sibling's free KV pool holds the prompt many times over, the slack all but
-//! vanishes, since a copy there evicts nothing anyone is likely to ask for again.
+//! A prompt's *home* ([`crate::homes`]) may start a little later than the best free pod and
+//! still compete ([`home_slack`]): moving a prefix off its home costs its prefill at least
+//! twice, now and for whichever prefix the copy evicts on the sibling.
 //!
 //! The backlog: the requests the pod reports waiting, each the size of the uncached prompts this
 //! router recently sent there (requests of other routers and of no router are assumed alike), plus
 //! the uncached tokens of what this router sent since that report. The rate: what the sidecar
-//! measured while the pod had a queue (the speed at which it works a queue off), else the median
-//! of its siblings', else [`DEFAULT_PREFILL_TOKENS_PER_S`]. The wait ahead is that backlog's time
-//! or, when longer, how long this router's oldest streamed request on the pod has waited for its
-//! first token ([`crate::pods::Pod::oldest_awaiting`]): the counts say how many wait, not why,
-//! and a queue held up by KV blocks that long generations hold (load that bypassed the router)
-//! looks short by its counts. Measured on the bench's `mixed_faults` (8 pods, 96 req/s,
-//! `affinity: 3`): without it 11–19 requests per run went to that pod and waited about 20 s; with
-//! it and the outlier cut, 2–6 (those sent before the wait showed).
+//! measured while the pod had a queue, else the median of its siblings', else
+//! [`DEFAULT_PREFILL_TOKENS_PER_S`]. The wait ahead is that backlog's time or, when longer, how
+//! long this router's oldest streamed request on the pod has waited for its first token
+//! ([`crate::pods::Pod::oldest_awaiting`]): a queue held up by KV blocks that long generations
+//! hold (load that bypassed the router) looks short by its counts
+//! (docs/decisions/0003-observed-wait-and-outlier-cut.md).
 
 use super::{Candidate, Ctx};
 
@@ -56,40 +42,23 @@ use super::{Candidate, Ctx};
 pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 10_000.0;
 
 /// A busy home competes while it would start the prompt no later than the best free pod plus
-/// this many of that pod's own prefills of it, scaled by the home's value (module docs). Twenty,
-/// measured on issue 16's load (`affinity: 3`, a full home competing, the observed wait in the
-/// prediction; env-switched builds): three gave hit rates 0.666 / 0.677; ten 0.725–0.747 in the
-/// seventh session (seven runs) but 0.68 / 0.70 in the ninth; twenty 0.74 / 0.73 / 0.74 / 0.72
-/// on that day and, as committed, 0.73 / 0.69 side by side with sglang-router's 0.73 / 0.73;
-/// forty 0.75 / 0.72; a hundred 0.74. What twenty buys, read from the router's decisions: a
-/// busy home's predicted wait is mostly its oldest stream's observed wait (1–2 s on that load),
-/// ten prefills of a 0.1 s prompt did not cover it, and moves of a tenant onto a pod it had
-/// never been sent to fell from 22 to about 10 per run. TTFT p90 0.89–1.95 s (ten: 1.21 /
-/// 1.41 s; sglang-router's: 6.45 s); on the bench's `multi_turn`, `agentic` and `mixed_faults`
-/// at 96 req/s twenty is level with ten (two interleaved runs each). Simulator only: the real
-/// vLLM on CPU is too slow for this load. The observed wait is what keeps a stuck home from
-/// drawing more than its first few requests: its oldest stream's wait passes the slack within
-/// one slack's time.
+/// this many of that pod's own prefills of it, scaled by the home's value: its predicted wait is
+/// mostly its oldest stream's observed wait, which a few prefills do not cover, and a stuck
+/// home's wait passes the slack within one slack's time (docs/decisions/0005-home-slack.md).
 pub const HOME_SLACK_PREFILLS: f64 = 20.0;
 
 /// When every pod is busy or full, a pod predicted to take more than this many times the
 /// median of their predicted times to first token (plus one prefill of the whole prompt) is
-/// left out: the pod whose queue stands still behind load the reports cannot explain (long
-/// generations that bypassed the router hold its KV cache) while the others move. Only the
-/// outlier: ranking saturated pods by predicted time, or cutting at the best plus three
-/// prefills, was measured to collapse into a death spiral (issue 16's load: hit rate 0.29–0.31,
-/// TTFT p90 15–20 s), because the scorers' prefix term is what keeps prompts on their caches.
+/// left out: the pod whose queue stands still behind load the reports cannot explain. Only the
+/// outlier: a tighter cut overrides the prefix term that keeps prompts on their caches
+/// (docs/decisions/0003-observed-wait-and-outlier-cut.md).
 pub const SATURATED_OUTLIER: f64 = 4.0;
 
-/// Whether a full candidate still competes, as a busy one: the prompt's home. A home that
-/// holds the prompt's prefix adds only the prompt's own blocks, and the request waits there
-/// for them (vLLM admits a waiting request only when its blocks are free; it does not preempt
-/// running ones to admit it); a sibling with room must compute the whole prompt and evict some
-/// other prefix to hold it. Measured on issue 16's load (`affinity: 3`): with full homes
-/// filtered out, 0.680–0.699 hit rate; competing, 0.745–0.757 (three runs each). A home whose
-/// prefix was evicted competes too: sending the prefix back home keeps each pod's set of
-/// prefixes small (restricting it to homes still holding their prefix, measured only together
-/// with no slack for homes under KV pressure, gave 0.694–0.697).
+/// Whether a full candidate still competes, as a busy one: the prompt's home. vLLM admits a
+/// waiting request only when its blocks are free, and a home holding the prefix adds only the
+/// prompt's own blocks, while a sibling must compute the whole prompt and evict another prefix
+/// to hold it. A home whose prefix was evicted competes too, so each pod's set of prefixes stays
+/// small (docs/decisions/0004-full-home-competes.md).
 pub fn full_home_competes(c: &Candidate<'_>) -> bool {
     c.home > 0.0
 }
@@ -98,9 +67,8 @@ pub fn full_home_competes(c: &Candidate<'_>) -> bool {
 /// for the prompt's home, [`HOME_SLACK_PREFILLS`] of the free pods' shortest own prefill of it
 /// (`best_free_prefill`), scaled by the home's value; for any other pod nothing. A home under
 /// KV pressure (tight or full) gets it only while the prompt's new blocks take less than half
-/// the headroom `kvThreshold` keeps for running requests to grow: a home that holds the prefix
-/// adds a question's few blocks (issue 16's load: 18 of 1,200), while a prompt that brings many
-/// blocks of its own would push the pod into preemptions (scenario 3: 36 of 257 each).
+/// the headroom `kvThreshold` keeps: a question's few blocks fit, a long prompt of its own would
+/// push the pod into preemptions.
 pub fn home_slack(ctx: &Ctx<'_>, c: &Candidate<'_>, best_free_prefill: f64) -> f64 {
     if c.home <= 0.0 {
         return 0.0;
@@ -119,8 +87,7 @@ pub fn home_slack(ctx: &Ctx<'_>, c: &Candidate<'_>, best_free_prefill: f64) -> f
 /// room (`scorers::affinity`): the soonest candidate's plus [`HOME_SLACK_PREFILLS`] of the
 /// shortest own prefill of the prompt — the slack the prefix's home will get once it has one.
 /// Later pods get no room score: a pod whose queue stands still behind load the router cannot
-/// explain serves fewer of its homes, so it looks roomiest, and homing more prefixes there
-/// strands them (the bench's `mixed_faults`: see `scorers::affinity` for what was measured).
+/// explain serves fewer of its homes and looks roomiest (docs/decisions/0010-working-set-room.md).
 pub fn room_cutoff(ctx: &Ctx<'_>, cands: &[Candidate<'_>]) -> f64 {
     let (best, prefill) = soonest(ctx, cands);
     best + HOME_SLACK_PREFILLS * prefill

@@ -48,8 +48,17 @@ pub fn load(phase: Phase, running: u32, waiting: u32) -> Load {
     }
 }
 
+/// A router state with the decision header on (the tests read the router's choices from it).
 pub fn state(cfg: RouterConfig) -> Arc<State> {
-    State::new(cfg, "test-router".into(), None, CancellationToken::new()).unwrap()
+    let st = State::new(cfg, "test-router".into(), None, CancellationToken::new()).unwrap();
+    st.set_decision_header(true);
+    st
+}
+
+/// The API with the admin surface behind it on one test server, for tests that read metrics or
+/// `/debug/pods` beside their requests (the router itself never serves both on one listener).
+pub fn app_and_admin(st: Arc<State>) -> axum::Router {
+    kvsight_router::app(st.clone()).fallback_service(kvsight_router::http::admin_app(st))
 }
 
 /// Registers a Ready pod at `url` with the given load.

@@ -385,8 +385,15 @@ impl KvSubscriber {
     fn apply(&mut self, seq: u64, payload: &[u8]) {
         self.expected = seq.wrapping_add(1);
         let mut cleared = false;
-        let resident = {
+        // Whether this batch held something the mirror could not apply: a payload that does not
+        // decode, an event of an unknown type, a store that cannot be hashed. Any of them may be
+        // a removal the view then misses, and a missed removal is a hit predicted on a block
+        // that is gone: the view is lost, as with missed events.
+        let mut unreadable: Option<&'static str> = None;
+        let mut resident = {
             let mut mirror = lock(&self.mirror);
+            let skipped = |m: &Mirror| m.stats().malformed_events + m.stats().unknown_events;
+            let before = skipped(&mirror);
             match decode_batch(payload) {
                 Ok(batch) => {
                     for event in &batch.events {
@@ -407,11 +414,21 @@ impl KvSubscriber {
                     mirror.count_malformed();
                     self.metrics.kv_payloads_malformed.inc();
                     self.status.send_modify(|s| s.malformed += 1);
-                    tracing::debug!(seq, error = %e, "malformed KV-event payload skipped");
+                    tracing::warn!(seq, error = %e, "malformed KV-event payload");
+                    unreadable = Some("a KV-event payload did not decode");
                 }
+            }
+            if unreadable.is_none() && skipped(&mirror) > before {
+                unreadable =
+                    Some("a KV event could not be applied (malformed or of an unknown type)");
             }
             mirror.resident()
         };
+        if let Some(why) = unreadable {
+            self.lose(why);
+            resident = 0;
+            cleared = false;
+        }
         self.metrics
             .resident_blocks
             .set(i64::try_from(resident).unwrap_or(i64::MAX));

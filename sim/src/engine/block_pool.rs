@@ -57,6 +57,21 @@ impl FreeQueue {
         self.len += 1;
     }
 
+    fn push_front(&mut self, id: BlockId) {
+        let i = id as usize;
+        debug_assert!(!self.in_queue[i], "block {id} freed twice");
+        self.prev[i] = NIL;
+        self.next[i] = self.head;
+        if self.head == NIL {
+            self.tail = id;
+        } else {
+            self.prev[self.head as usize] = id;
+        }
+        self.head = id;
+        self.in_queue[i] = true;
+        self.len += 1;
+    }
+
     fn pop_front(&mut self) -> Option<BlockId> {
         let id = self.head;
         if id == NIL {
@@ -218,15 +233,26 @@ impl BlockPool {
     }
 
     /// Drops one reference per block; `ordered` is in eviction order (first = evicted first),
-    /// so callers pass a request's blocks tail first.
+    /// so callers pass a request's blocks tail first. As vLLM's `free_blocks`: a block that
+    /// reaches zero references goes to the *front* of the free queue when it holds no hash (it
+    /// can never be hit, so it is reused first) and to the back when it is cached (LRU); the
+    /// front group keeps the given order, its first block at the head.
     pub(crate) fn free(&mut self, ordered: impl IntoIterator<Item = BlockId>) {
+        let mut first = Vec::new();
         for id in ordered {
             let rc = &mut self.ref_cnt[id as usize];
             debug_assert!(*rc > 0, "block {id} freed with no reference");
             *rc = rc.saturating_sub(1);
             if *rc == 0 {
-                self.free.push_back(id);
+                if self.hash[id as usize].is_some() {
+                    self.free.push_back(id);
+                } else {
+                    first.push(id);
+                }
             }
+        }
+        for &id in first.iter().rev() {
+            self.free.push_front(id);
         }
     }
 

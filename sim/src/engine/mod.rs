@@ -379,7 +379,9 @@ impl Engine {
                 };
                 let hit_tokens = hit.len() * bs;
                 let n = (req.tokens.len() - hit_tokens).min(budget);
-                if !self.allocate_slots(slot, n, &hit) {
+                // vLLM (`scheduler_reserve_full_isl`, on by default) admits a request only if
+                // its whole sequence fits, not just the first chunk of a chunked prefill.
+                if !self.full_sequence_fits(slot, &hit) || !self.allocate_slots(slot, n, &hit) {
                     break;
                 }
                 self.waiting.pop_front();
@@ -502,6 +504,22 @@ impl Engine {
             self.pool.announce_reused(hit.len(), &req.store_info());
         }
         hit
+    }
+
+    /// vLLM's admission gate (`allocate_slots` with `full_sequence_must_fit`): the free queue
+    /// holds blocks for all of the request's tokens (capped at the context window) beyond the
+    /// `hit`, plus the hit blocks that are free and would leave the queue when touched.
+    fn full_sequence_fits(&self, slot: usize, hit: &[BlockId]) -> bool {
+        let Some(req) = self.slots[slot].as_ref() else {
+            return false;
+        };
+        let full = req
+            .tokens
+            .len()
+            .min(self.config.max_model_len)
+            .div_ceil(self.config.block_size);
+        let hit_free = hit.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        full.saturating_sub(req.blocks.len() + hit.len()) + hit_free <= self.pool.num_free()
     }
 
     /// vLLM's `allocate_slots`: makes room for `num_new` more tokens after the already computed

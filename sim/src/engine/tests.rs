@@ -911,3 +911,65 @@ fn per_request_report_mode_overrides_the_engine_default() {
     let evs = events(&drain(&mut e));
     assert_eq!(stored_hashes(&evs).len(), 2, "{evs:?}");
 }
+
+#[test]
+fn an_uncached_freed_block_is_reused_before_any_cached_one() {
+    // vLLM's `BlockPool.free_blocks`: a freed block without a hash (a partial tail) goes to the
+    // front of the free queue, a cached one to the back. 8 usable blocks of 4 tokens.
+    let mut e = engine(
+        base()
+            .block_size(4)
+            .num_gpu_blocks(9)
+            .max_model_len(32)
+            .emit_reused_stores(false),
+    );
+    // X: 2 cached blocks. A: 2 cached blocks and a partial third, taken after X's.
+    e.submit(Request::new("x", prompt(0, 8), 1)).expect("ok");
+    let x = stored_hashes(&events(&drain(&mut e)));
+    e.submit(Request::new("a", prompt(500, 10), 1)).expect("ok");
+    drain(&mut e);
+    // B needs 5 blocks: A's partial block and the 3 never used, then X's tail: one eviction.
+    // Had the partial block gone to the back, X's first block would be evicted too.
+    e.submit(Request::new("b", prompt(1000, 20), 1))
+        .expect("ok");
+    let removed: Vec<EngineKvEvent> = events(&drain(&mut e))
+        .into_iter()
+        .filter(|ev| matches!(ev, EngineKvEvent::BlockRemoved { .. }))
+        .collect();
+    assert_eq!(
+        removed,
+        vec![EngineKvEvent::BlockRemoved {
+            block_hashes: vec![x[1]]
+        }]
+    );
+    assert_eq!(
+        run_one(&mut e, Request::new("x2", prompt(0, 12), 1))[0].num_cached_tokens,
+        4
+    );
+}
+
+#[test]
+fn a_request_is_admitted_only_when_its_whole_prompt_fits() {
+    // vLLM's `scheduler_reserve_full_isl` (on by default): with chunked prefill the admission
+    // check is for the whole sequence, not the first chunk. 8 usable blocks of 4 tokens, a
+    // 16-token budget; "big" needs 6 blocks while "small" holds 3.
+    let mut e = engine(
+        base()
+            .block_size(4)
+            .num_gpu_blocks(9)
+            .max_model_len(32)
+            .max_num_batched_tokens(16),
+    );
+    e.submit(Request::new("small", prompt(0, 9), 4))
+        .expect("ok");
+    e.step();
+    e.submit(Request::new("big", prompt(1000, 24), 1))
+        .expect("ok");
+    // Its first chunk (4 blocks) would fit in the 5 free blocks; the whole prompt does not.
+    e.step();
+    let s = e.stats();
+    assert_eq!((s.running, s.waiting), (1, 1));
+    drain(&mut e);
+    assert_eq!(e.stats().finished_length, 2);
+    assert_eq!(e.stats().num_preemptions, 0);
+}

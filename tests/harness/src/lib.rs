@@ -2,7 +2,8 @@
 //! drop ([`TempDir`]), the one way a test skips itself ([`skip`], [`or_skip`],
 //! [`fixture_or_skip`]), where the `../shared` fixtures are ([`shared_fixture`]), protocol
 //! messages with ordinary values ([`messages`]), a JSON POST that reads the router's decision
-//! ([`http::post_json`]) and the replay of the fuzz corpora ([`fuzz::replay_corpora`]).
+//! ([`http::post_json`]), the replay of the fuzz corpora ([`fuzz::replay_corpora`]) and the
+//! check of the configuration reference against the programs ([`reference`]).
 //!
 //! Of kvsight it depends on the protocol only, on purpose: the tokenizer, the simulator, the
 //! sidecar and the router all dev-depend on it, and a helper that pulled one of them in would
@@ -11,6 +12,7 @@
 pub mod fuzz;
 pub mod http;
 pub mod messages;
+pub mod reference;
 mod skip;
 mod temp_dir;
 

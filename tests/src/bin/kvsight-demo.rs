@@ -70,6 +70,10 @@ async fn main() {
         // the router answers).
         let interrupted = kvsight_process::signal::termination();
         println!("router: {}", cluster.routers[0].url());
+        println!(
+            "router admin (/metrics, /debug/pods): {}",
+            cluster.routers[0].admin_url()
+        );
         for pod in &cluster.pods {
             println!(
                 "{}: vllm {} sidecar {}",

@@ -21,8 +21,7 @@ pub enum BlindMode {
     LeastRequest,
     /// The pod with the shortest queue by the engines' own counts (waiting, then running, read
     /// from each pod's `/metrics` at the pick): what a load-aware router without a cache view
-    /// falls back to — and what kvsight did when every pod was saturated, before its saturation
-    /// rule was measured in time.
+    /// falls back to when every pod is saturated (docs/decisions/0002-saturation-in-time.md).
     ShortestQueue,
 }
 

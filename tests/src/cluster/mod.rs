@@ -38,6 +38,9 @@ pub use kvsight_sidecar::counters::{PodCounters, parse_counters};
 /// How long [`eventually`] and the cluster's waits give a condition by default.
 pub const WAIT: Duration = Duration::from_secs(20);
 
+/// The namespace every pod of the cluster is in (`--pod-namespace`).
+pub const NAMESPACE: &str = "kvsight";
+
 /// Why a cluster (or one of its parts) could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -164,6 +167,26 @@ pub struct PodSpec {
     pub sidecar_args: Vec<String>,
     /// The sidecar's certificate comes from another CA than the routers trust (an impostor).
     pub foreign_certificate: bool,
+}
+
+/// A simulated engine without compile stalls (the pods skip warm-up) on a scaled clock:
+/// `blocks` KV blocks of `block_size` tokens, a `max_model_len` window, `seed` for its RNG.
+pub fn fast_engine(
+    block_size: usize,
+    blocks: usize,
+    max_model_len: usize,
+    time_scale: f64,
+    seed: u64,
+) -> EngineConfig {
+    EngineConfig::builder()
+        .block_size(block_size)
+        .num_gpu_blocks(blocks)
+        .max_model_len(max_model_len)
+        .compile_stall(Duration::ZERO)
+        .time_scale(time_scale)
+        .seed(seed)
+        .build()
+        .expect("a valid engine shape")
 }
 
 impl PodSpec {
@@ -296,7 +319,7 @@ pub struct Pod {
 impl Pod {
     /// The key routers know this pod by.
     pub fn key(&self) -> String {
-        format!("kvsight/{}", self.spec.name)
+        format!("{NAMESPACE}/{}", self.spec.name)
     }
 
     /// vLLM's HTTP address.
@@ -322,6 +345,8 @@ impl Pod {
 pub struct RouterHandle {
     pub index: usize,
     pub http_addr: SocketAddr,
+    /// The admin listener: `/metrics`, `/debug/pods` (never on the API's address).
+    pub admin_addr: SocketAddr,
     pub quic_addr: SocketAddr,
     /// Its state, to look inside (registry, metrics).
     pub state: Arc<kvsight_router::State>,
@@ -332,6 +357,11 @@ pub struct RouterHandle {
 impl RouterHandle {
     pub fn url(&self) -> String {
         format!("http://{}", self.http_addr)
+    }
+
+    /// The admin listener's base URL (`/metrics`, `/debug/pods`).
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin_addr)
     }
 
     /// The phase this router holds for `pod_key`, or `None` when the pod is not registered.
@@ -432,6 +462,11 @@ impl Cluster {
         let err = |message: String| ClusterError::Router { index, message };
         let http_addr = http.local_addr().map_err(io("router HTTP address"))?;
         let quic_addr = quic.local_addr().map_err(io("router QUIC address"))?;
+        let admin = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+            .map_err(io("binding a router's admin port"))?;
+        let admin_addr = admin.local_addr().map_err(io("router admin address"))?;
         let path = self.router_config_path();
         let config = RouterConfig::load(&path).map_err(|e| err(e.to_string()))?;
         let run = kvsight_router::RunConfig {
@@ -448,10 +483,16 @@ impl Cluster {
                 .config
                 .router_tokenizers
                 .then(kvsight_router::tokenize::default_loader),
+            // The scenarios read each decision from the response.
+            decision_header: true,
         };
         let stop = CancellationToken::new();
         let state = kvsight_router::build_state(&run, &stop).map_err(|e| err(e.to_string()))?;
-        let listeners = kvsight_router::Listeners { http, quic };
+        let listeners = kvsight_router::Listeners {
+            http,
+            quic,
+            admin: Some(admin),
+        };
         let task = tokio::spawn(kvsight_router::serve(
             listeners,
             run,
@@ -461,6 +502,7 @@ impl Cluster {
         Ok(RouterHandle {
             index,
             http_addr,
+            admin_addr,
             quic_addr,
             state,
             stop,
@@ -538,7 +580,10 @@ impl Cluster {
                 std::fs::write(certs.join(format!("{name}-key.pem")), leaf.key)
                     .map_err(io("writing a key"))?;
             } else {
-                self.ca.write_leaves(&certs, &[(name, &[name.as_str()])])?;
+                // The URI SAN grants the pod its name (routers check it).
+                let grant = kvsight_transport::pod_uri(NAMESPACE, name);
+                self.ca
+                    .write_leaves(&certs, &[(name, &[name.as_str(), grant.as_str()])])?;
             }
         }
         let file = |f: String| certs.join(f).display().to_string();
@@ -547,7 +592,7 @@ impl Cluster {
             "--pod-name".into(),
             name.clone(),
             "--pod-namespace".into(),
-            "kvsight".into(),
+            NAMESPACE.into(),
             "--vllm-url".into(),
             pod.vllm_url(),
             "--advertise-url".into(),
@@ -634,7 +679,7 @@ impl Cluster {
                     let http = tokio::net::TcpListener::from_std(listener).ok()?;
                     tokio::select! {
                         r = kvsight_sidecar::run_with(
-                            kvsight_sidecar::Listeners { http },
+                            kvsight_sidecar::Listeners { http, debug: None },
                             config,
                             run_stop,
                             run_shared,
@@ -869,6 +914,35 @@ impl Cluster {
             .pod_index(&key)
             .ok_or_else(|| err(format!("{key} is not a pod of the cluster")))?;
         Ok((key, i))
+    }
+
+    /// The canonical chain of a completion `prompt` for `model` at `block_size`, from the token
+    /// ids the first router's `/tokenize` returns (the engine's own tokens).
+    pub async fn chain_of(
+        &self,
+        model: &str,
+        prompt: &str,
+        block_size: usize,
+    ) -> Result<Vec<u64>, ClusterError> {
+        let r = self
+            .post(
+                0,
+                "/tokenize",
+                &serde_json::json!({"model": model, "prompt": prompt}),
+            )
+            .await?;
+        let err = |message: String| ClusterError::Router { index: 0, message };
+        if r.status != 200 {
+            return Err(err(format!("/tokenize: {}: {}", r.status, r.text)));
+        }
+        let body: Value = serde_json::from_str(&r.text).map_err(|e| err(e.to_string()))?;
+        let ids: Vec<u32> =
+            serde_json::from_value(body["tokens"].clone()).map_err(|e| err(e.to_string()))?;
+        Ok(kvsight_protocol::hash::hash_chain(
+            &kvsight_protocol::hash::ChainSeed::BASE,
+            &ids,
+            block_size,
+        ))
     }
 
     /// The index of the pod whose key is `key`.

@@ -11,71 +11,36 @@ use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 /// pod's working set small, so its prefixes stay resident and its neighbours' too. This is a
 /// preference, never a prediction: the cached tokens the router predicts come from the real
 /// cache only, and with the default weights a pod that really holds the prefix outscores a home
-/// that lost it only together with lighter load.
+/// that lost it only together with lighter load (docs/decisions/0006-homes.md).
 ///
 /// A *new* prefix — no home anywhere, no pod caching a quarter of it — is placed where it will
 /// have room to stay: each pod that would start it within a home's slack of the soonest
 /// (`saturation::room_cutoff`) scores by how close its working set is to the lightest
 /// (`1 - (share - lightest) / span`, the span from the lightest share to the heaviest or
-/// [`room_floor`] — a quarter of what the lightest leaves free — whichever is more); the
-/// others 0. A working set
+/// [`room_floor`], whichever is more); the others 0. A working set
 /// ([`crate::homes::Homes::working_set`]) is the blocks of the prefixes a pod is home to that
 /// were asked for again (sent to any pod), or sent in the last ten seconds: what the new prefix
-/// will compete with for the pod's cache. Placed by load, issue 16's 24 equal tenants landed
-/// 5 / 5 / 7 / 7 on four pods nearly every run, and the pods holding seven found 0.66–0.70 of
-/// their prompts cached against 0.74–0.81; with the working set they land 6 / 6 / 6 / 6 or
-/// 5 / 6 / 6 / 7, moves off a first pod fell from 20–32 to 8–25 per run, and the hit rate rose
-/// from 0.69 / 0.74 / 0.73 to 0.74 / 0.75 / 0.76 (interleaved runs; more in the README).
-///
-/// A difference, not a ratio: one tenant more weighs as much when every pod homes five as when
-/// they home one. Scored as `1 - share / heaviest` (the tenth session's form), a one-tenant gap
-/// between pods homing five and six tenants was worth 0.17 of the weight, less than a few
-/// running requests: issue 16's last tenants went by load, and a run that placed them 7 / 5 /
-/// 6 / 6 fell to 0.68, its seven-tenant pod two seconds behind its siblings. As a difference
-/// against a quarter of a cache the gap is worth 0.43 at every depth (measured interleaved
-/// there, eleventh session: 0.745 / 0.730 / 0.743 against 0.728 / 0.727 / 0.724 for the
-/// ratio); against a quarter of what the lightest leaves free it weighs more as the caches
-/// fill, which is when a wrong placement costs most ([`room_floor`]).
-///
-/// Earlier rules, measured and dropped: the fewest prefixes homed (a half-weight tie-breaker)
-/// counted the bench's `agentic` tool prompts of 3k and 30k tokens alike and stacked the long
-/// ones (TTFT p90 0.55–0.57 s against 0.48 s); the fewest blocks homed counted every request's
-/// own deepest depths — served traffic, not prefixes — and the saturation scenario
-/// (`scenarios_saturation`) then lost to the shortest queue. The working set counts a prompt
-/// sent once only for ten seconds, and blocks, not prompts: `agentic` at 96 req/s went from
-/// TTFT p90 0.63 s to 0.42–0.49 s (four runs). Without the slack cut (the ninth session's try
-/// of a rule like this one), `mixed_faults`' stuck pod (its queue held by load that bypassed
-/// the router, so it serves few of its homes) looked roomiest and took new tenants: TTFT p99
-/// about 10 s in three of three runs; with the cut 1.5–2.3 s in four runs of six and 9.5 /
-/// 9.9 s in two — the rules off give 1.9–9.6 s too, so the cut is shown to avoid the worst,
-/// not to steady that tail.
+/// will compete with for the pod's cache (docs/decisions/0010-working-set-room.md). A difference,
+/// not a ratio: one tenant more weighs as much when every pod homes five as when they home one
+/// (docs/decisions/0011-room-floor.md).
 pub struct Affinity;
 
-/// The least span room gaps are measured against, as a share of what the lightest working set
+/// The least span room gaps are scored against, as a share of what the lightest working set
 /// leaves of its cache ([`room_floor`]): while the working sets lie closer together than that, a
 /// pod `gap` above the lightest scores `1 - gap / floor`, so small gaps move the score a little
 /// and leave the choice to the other scorers (load). A quarter: a pod running six requests
-/// beside an idle one (`load_that_bypassed_the_router_is_seen`) must not draw new short prompts
-/// because its sibling already homes a few blocks, while on issue 16's load one tenant (128 of
-/// 1,200 blocks) must already weigh on the next tenant's placement — the first 24 arrive within
-/// a few seconds. Measured there with the ratio form (a floor under the heaviest share): 0.70 /
-/// 0.74 / 0.74 with it, 0.71 / 0.75 / 0.73 with none.
+/// beside an idle one must not draw new short prompts because its sibling already homes a few
+/// blocks, while one tenant's prefix must already weigh on the next tenant's placement
+/// (docs/decisions/0011-room-floor.md).
 pub(crate) const ROOM_FLOOR: f64 = 0.25;
 
 /// [`ROOM_FLOOR`] of what the lightest share (`lightest`) leaves free, and never less than a
 /// tenth of that quarter (shares can pass 1 where a pod homes more than its cache holds).
 ///
 /// Why of what is left, not of the whole cache: a new prefix competes for the room its pod's
-/// working set leaves, and the same gap is a larger part of less room. With a quarter of the
-/// whole cache, a one-tenant gap (0.107 of a cache on issue 16's load) stayed worth 0.43 of
-/// the weight when every pod already homed five tenants and had 0.47 of its cache left: less
-/// than two waiting and four running requests more on the lighter pod, so the last tenant went
-/// to the pod with the lightest moment's load, and the fleet ended 7 / 5 / 6 / 6 in 2 runs of
-/// 11 (hit rates 0.706 and 0.715; the pod with seven ran seconds behind its siblings). Of what
-/// is left, the gap is worth 0.91 there and the same 0.43 for the first tenants. Measured
-/// interleaved (twelfth session, five runs each): 6 / 6 / 6 / 6 in five of five, hit rates
-/// 0.727 / 0.745 / 0.751 / 0.746 / 0.728, against 7 / 5 / 6 / 6 in two of five and 0.745 /
-/// 0.746 / 0.734 / 0.679 / 0.722.
+/// working set leaves, and the same gap is a larger part of less room. One tenant more then
+/// weighs more as the caches fill, when a wrong placement costs most
+/// (docs/decisions/0011-room-floor.md).
 pub(crate) fn room_floor(lightest: f64) -> f64 {
     ROOM_FLOOR * (1.0 - lightest).clamp(0.1, 1.0)
 }

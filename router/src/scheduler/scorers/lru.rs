@@ -1,7 +1,9 @@
 use crate::scheduler::{Candidate, Ctx, MatchUse, Scorer};
 
-/// The pod picked longest ago (or never) scores 1, the most recent 0: among otherwise equal pods
-/// traffic rotates instead of piling onto whichever sorts first.
+/// A pod never picked scores 1, the most recent 0, the others by when they were picked in
+/// between (the one picked longest ago just under a never-picked one): among otherwise equal pods traffic rotates instead of piling onto
+/// whichever sorts first. Linear in the pods (a rank would sort them: a third of a pick over
+/// 1,000 pods); equal times score alike and the ranking's tie-break by pod key decides.
 pub struct Lru;
 
 impl Scorer for Lru {
@@ -10,19 +12,28 @@ impl Scorer for Lru {
     }
 
     fn scores(&self, _ctx: &Ctx<'_>, cands: &[Candidate<'_>], out: &mut [f64]) {
-        let n = cands.len();
-        if n <= 1 {
+        if cands.len() <= 1 {
             out.fill(1.0);
             return;
         }
-        let mut order: Vec<usize> = (0..n).collect();
-        // None (never picked) sorts first; ties by key keep the order deterministic.
-        order.sort_by(|&a, &b| {
-            (cands[a].pod.last_picked, &cands[a].pod.key)
-                .cmp(&(cands[b].pod.last_picked, &cands[b].pod.key))
-        });
-        for (rank, i) in order.into_iter().enumerate() {
-            out[i] = 1.0 - rank as f64 / (n - 1) as f64;
+        let picked = cands.iter().filter_map(|c| c.pod.last_picked);
+        let (Some(oldest), Some(newest)) = (picked.clone().min(), picked.max()) else {
+            out.fill(1.0);
+            return;
+        };
+        let span = newest.duration_since(oldest).as_secs_f64();
+        // A pod never picked ranks above the one picked longest ago.
+        let top = if cands.iter().any(|c| c.pod.last_picked.is_none()) {
+            1.0 - 1.0 / cands.len() as f64
+        } else {
+            1.0
+        };
+        for (c, o) in cands.iter().zip(out.iter_mut()) {
+            *o = match c.pod.last_picked {
+                None => 1.0,
+                Some(_) if span <= 0.0 => 0.0,
+                Some(t) => top * newest.duration_since(t).as_secs_f64() / span,
+            };
         }
     }
 }

@@ -73,8 +73,8 @@ impl ScorerKind {
         }
     }
 
-    /// The weight when the config does not set one (why each is what it is: `Weights`' docs
-    /// and router/README.md).
+    /// The weight when the config does not set one (why: docs/decisions/0006-homes.md,
+    /// 0012-load-scores-as-shares.md and 0013-prefix-weight.md).
     pub const fn default_weight(self) -> f64 {
         match self {
             ScorerKind::Prefix => 3.0,
@@ -116,10 +116,9 @@ impl ScorerKind {
 
 /// Writes `1 - value / max`: the busiest candidate scores `0`, an idle one `1`, and 28 against
 /// 34 requests differ by 0.18, not by the whole weight. Min-max normalisation would turn any
-/// spread, however small, into the full weight: then a balanced fleet's noise outweighs a
-/// prefix cache (moving tenants, measured: hit rate 0.74 → 0.59 on the bench's multi_tenant
-/// with the running weight raised), or a large spread counts no more than a small one. Values
-/// are counts, never negative; all `1` when every candidate is idle.
+/// spread, however small, into the full weight, so a balanced fleet's noise would outweigh a
+/// prefix cache (docs/decisions/0012-load-scores-as-shares.md). Values are counts, never
+/// negative; all `1` when every candidate is idle.
 pub(crate) fn lighter_share(
     cands: &[Candidate<'_>],
     value: impl Fn(&Candidate<'_>) -> f64,

@@ -13,10 +13,19 @@
 //!   `usage.prompt_tokens_details.cached_tokens` (shared prefix, multi-turn chat, unique and
 //!   concurrent batch traffic), and the shared prefix stays on one pod;
 //! - the sidecar's resident-block count equals the independent subscriber's;
-//! - requests sent straight to an engine show as its `unrouted` load;
+//! - LoRA (first model): two adapters made here and loaded at run time, one on each engine and
+//!   one on the first only; the sidecars report them, adapter requests are predicted exactly
+//!   (hashed under the adapter's root) and go only where the adapter is loaded, and
+//!   `loraAffinity` sends an adapter's requests to the pod where the engine reports it running
+//!   (`lora.rs`);
+//! - requests sent straight to an engine show as its `unrouted` load within a report of the
+//!   engine counting them, and new routed requests go to the other pod meanwhile;
 //! - an engine killed and started again on the same ports is noticed and predictions are exact
 //!   again afterwards;
 //! - every vLLM metric the sidecar reads is exported by the real engine.
+//!
+//! Before all of that, the differential (`fidelity.rs`): the simulator against a real engine of
+//! the same shape, on a serial and a concurrent trace.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,6 +33,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+pub mod fidelity;
+mod lora;
 
 use crate::cluster::Certs;
 use crate::procs::{Proc, free_tcp_port, free_udp_port, wait_ok};
@@ -45,6 +57,13 @@ pub struct Options {
     pub vllm_version: String,
     /// Check an engine restart for the first model (about a minute: one more engine start).
     pub restart: bool,
+    /// Run the differential (simulator against vLLM) with the first model.
+    pub fidelity: bool,
+    /// Where the differential's figures go as markdown (`docs/bench/sim-fidelity.md`); the JSON
+    /// always goes to `work/fidelity.json`.
+    pub fidelity_doc: Option<PathBuf>,
+    /// Run only the differential.
+    pub fidelity_only: bool,
 }
 
 /// One check's verdict.
@@ -67,15 +86,128 @@ pub async fn run(opts: &Options) -> Result<Vec<Check>> {
     let _ = std::fs::remove_dir_all(&logs);
     let certs = Certs::new(&opts.work.join("certs"))?;
     let mut checks = Vec::new();
-    for (name, tokenizer) in &opts.models {
+    for (index, (name, tokenizer)) in opts.models.iter().enumerate() {
         let model_dir = make_model(opts, name, tokenizer)?;
-        let mut m = ModelRun::start(opts, &certs, &logs, name, &model_dir, &http).await?;
-        let restart = opts.restart && checks.is_empty();
-        let r = m.checks(&http, restart).await;
+        if opts.fidelity && index == 0 {
+            checks.extend(differential(opts, &http, name, &model_dir, &logs).await?);
+        }
+        if opts.fidelity_only {
+            break;
+        }
+        // The first model also runs LoRA and the engine restart.
+        let first = index == 0;
+        let mut m = ModelRun::start(opts, &certs, &logs, name, &model_dir, &http, first).await?;
+        let r = m.checks(&http, opts.restart && first).await;
         checks.append(&mut m.checks);
         m.stop().await;
         r?;
     }
+    Ok(checks)
+}
+
+/// Runs the differential and turns its figures into checks; writes them as JSON and markdown.
+async fn differential(
+    opts: &Options,
+    http: &reqwest::Client,
+    name: &str,
+    model_dir: &Path,
+    logs: &Path,
+) -> Result<Vec<Check>> {
+    let t = Instant::now();
+    let f = fidelity::run(opts, http, name, model_dir, logs).await?;
+    fidelity::write(
+        &f,
+        &opts.work.join("fidelity.json"),
+        opts.fidelity_doc.as_ref(),
+        &opts.vllm_version,
+    )?;
+    let mut checks = Vec::new();
+    let mut check = |check: &'static str, ok: bool, figure: String| {
+        println!(
+            "real-vllm: {name} {check:<32} {} — {figure}",
+            if ok { "PASS" } else { "FAIL" }
+        );
+        checks.push(Check {
+            model: name.to_owned(),
+            name: check,
+            ok,
+            figure,
+        });
+    };
+    check(
+        "fidelity: same prompt tokens",
+        f.prompt_tokens_equal,
+        "every request tokenized to the same length by both engines".into(),
+    );
+    check(
+        "fidelity: serial cached tokens",
+        f.serial_cached_tokens_equal,
+        format!(
+            "{} of {} requests agree (vLLM {} vs sim {} cached tokens){}",
+            f.serial_cached_agree,
+            f.serial_requests,
+            f.serial_cached_tokens_vllm,
+            f.serial_cached_tokens_sim,
+            f.serial_first_cached_difference
+                .as_ref()
+                .map_or(String::new(), |d| format!("; first difference: {d}"))
+        ),
+    );
+    check(
+        "fidelity: serial KV events",
+        f.serial_events_equal,
+        format!(
+            "{} per-block events from vLLM ({} evictions), {} from the sim{}",
+            f.serial_events_vllm,
+            f.serial_evictions_vllm,
+            f.serial_events_sim,
+            f.serial_first_event_difference
+                .as_ref()
+                .map_or(", in the same order".into(), |d| format!("; {d}"))
+        ),
+    );
+    check(
+        "fidelity: serial prefix counters",
+        f.serial_queries.0 == f.serial_queries.1 && f.serial_hits.0 == f.serial_hits.1,
+        format!(
+            "queries vLLM {} sim {}, hits vLLM {} sim {}",
+            f.serial_queries.0, f.serial_queries.1, f.serial_hits.0, f.serial_hits.1
+        ),
+    );
+    check(
+        "fidelity: concurrent hit rate",
+        f.hit_rate_ok(),
+        format!(
+            "{} requests, {} clients: vLLM {:.4}, sim {:.4} (counters: vLLM {}/{}, sim {}/{})",
+            f.concurrent_requests,
+            fidelity::CLIENTS,
+            f.hit_rate_vllm,
+            f.hit_rate_sim,
+            f.concurrent_hits.0,
+            f.concurrent_queries.0,
+            f.concurrent_hits.1,
+            f.concurrent_queries.1
+        ),
+    );
+    check(
+        "fidelity: concurrent preemptions",
+        f.preemptions_ok(),
+        format!(
+            "vLLM {}, sim {}; running/waiting means vLLM {:.2}/{:.2}, sim {:.2}/{:.2}; {:.0} s vs {:.0} s",
+            f.preemptions_vllm,
+            f.preemptions_sim,
+            f.gauges_vllm.mean_running,
+            f.gauges_vllm.mean_waiting,
+            f.gauges_sim.mean_running,
+            f.gauges_sim.mean_waiting,
+            f.concurrent_seconds.0,
+            f.concurrent_seconds.1,
+        ),
+    );
+    println!(
+        "real-vllm: fidelity: {:.0} s in all",
+        t.elapsed().as_secs_f64()
+    );
     Ok(checks)
 }
 
@@ -114,6 +246,27 @@ fn make_model(opts: &Options, name: &str, tokenizer: &Path) -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The scheduling and KV-cache flags an engine starts with.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineShape {
+    pub block_size: u32,
+    /// `--num-gpu-blocks-override`; `None` = what the KV space gives.
+    pub num_gpu_blocks: Option<u32>,
+    pub max_num_seqs: u32,
+    /// `--max-num-batched-tokens`; `None` = vLLM's default.
+    pub max_num_batched_tokens: Option<u32>,
+    pub max_model_len: u32,
+}
+
+/// The shape of the engines behind the router.
+const ROUTED: EngineShape = EngineShape {
+    block_size: BLOCK_SIZE,
+    num_gpu_blocks: None,
+    max_num_seqs: 16,
+    max_num_batched_tokens: None,
+    max_model_len: MAX_MODEL_LEN,
+};
+
 /// One engine: its ports and process.
 struct Engine {
     index: usize,
@@ -124,11 +277,32 @@ struct Engine {
 }
 
 impl Engine {
+    /// An engine not started yet, on free ports; `index` names its log and picks its core.
+    fn new(index: usize) -> Result<Engine> {
+        Ok(Engine {
+            index,
+            port: free_tcp_port()?,
+            kv_port: free_tcp_port()?,
+            replay_port: free_tcp_port()?,
+            proc: None,
+        })
+    }
+
     fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    fn start(&mut self, opts: &Options, name: &str, model: &Path, logs: &Path) -> Result<()> {
+    /// Starts vLLM's OpenAI server with `shape`; with `lora` (the largest adapter rank), LoRA
+    /// is enabled and adapters can be loaded at run time.
+    fn start(
+        &mut self,
+        opts: &Options,
+        name: &str,
+        model: &Path,
+        logs: &Path,
+        shape: &EngineShape,
+        lora: Option<u32>,
+    ) -> Result<()> {
         let kv = json!({
             "enable_kv_cache_events": true,
             "publisher": "zmq",
@@ -150,16 +324,32 @@ impl Engine {
             "--dtype".into(),
             "float32".into(),
             "--block-size".into(),
-            BLOCK_SIZE.to_string(),
+            shape.block_size.to_string(),
             "--max-model-len".into(),
-            MAX_MODEL_LEN.to_string(),
+            shape.max_model_len.to_string(),
             "--max-num-seqs".into(),
-            "16".into(),
+            shape.max_num_seqs.to_string(),
             "--enable-prefix-caching".into(),
             "--enable-prompt-tokens-details".into(),
             "--kv-events-config".into(),
             kv.to_string(),
         ];
+        let mut args = args;
+        if let Some(n) = shape.num_gpu_blocks {
+            args.extend(["--num-gpu-blocks-override".into(), n.to_string()]);
+        }
+        if let Some(n) = shape.max_num_batched_tokens {
+            args.extend(["--max-num-batched-tokens".into(), n.to_string()]);
+        }
+        if let Some(rank) = lora {
+            args.extend([
+                "--enable-lora".into(),
+                "--max-lora-rank".into(),
+                rank.to_string(),
+                "--max-loras".into(),
+                "1".into(),
+            ]);
+        }
         let env = [
             // 1 GiB of KV cache on CPU; each engine pinned to its own core.
             ("VLLM_CPU_KVCACHE_SPACE", "1".to_owned()),
@@ -169,6 +359,8 @@ impl Engine {
             ("VLLM_NO_USAGE_STATS", "1".into()),
             ("DO_NOT_TRACK", "1".into()),
             ("TOKENIZERS_PARALLELISM", "false".into()),
+            // `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist only with this.
+            ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1".into()),
         ];
         self.proc = Some(Proc::spawn(
             &format!("vllm-{name}-{}", self.index),
@@ -195,11 +387,12 @@ struct Subscriber {
 }
 
 impl Subscriber {
-    async fn start(opts: &Options, e: &Engine) -> Result<Subscriber> {
+    /// Subscribes to the PUB socket at `endpoint`, filling gaps from `replay`.
+    async fn start(opts: &Options, endpoint: &str, replay: &str) -> Result<Subscriber> {
         let mut child = tokio::process::Command::new(&opts.python)
             .arg(opts.scripts.join("kv_event_counter.py"))
-            .arg(format!("tcp://127.0.0.1:{}", e.kv_port))
-            .arg(format!("tcp://127.0.0.1:{}", e.replay_port))
+            .arg(endpoint)
+            .arg(replay)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
@@ -222,14 +415,33 @@ impl Subscriber {
         })
     }
 
-    async fn resident(&mut self) -> Result<u64> {
-        self.stdin.write_all(b"count\n").await?;
+    async fn ask(&mut self, command: &str) -> Result<Value> {
+        self.stdin
+            .write_all(format!("{command}\n").as_bytes())
+            .await?;
         let line = tokio::time::timeout(Duration::from_secs(10), self.lines.next_line())
             .await
             .context("kv_event_counter.py did not answer")??
             .context("kv_event_counter.py exited")?;
-        let v: Value = serde_json::from_str(&line)?;
-        v["resident"].as_u64().context("no count")
+        Ok(serde_json::from_str(&line)?)
+    }
+
+    async fn resident(&mut self) -> Result<u64> {
+        self.ask("count").await?["resident"]
+            .as_u64()
+            .context("no count")
+    }
+
+    /// The events decoded since the previous call, in order (see `kv_event_counter.py`).
+    async fn events(&mut self) -> Result<Vec<Value>> {
+        match self.ask("events").await?["events"].take() {
+            Value::Array(v) => Ok(v),
+            other => bail!("kv_event_counter.py: events {other}"),
+        }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.child.kill().await;
     }
 }
 
@@ -244,7 +456,11 @@ struct ModelRun<'a> {
     subscribers: Vec<Subscriber>,
     router: Proc,
     router_url: String,
+    /// The router's admin listener (`/debug/pods`, `/metrics`).
+    admin_url: String,
     checks: Vec<Check>,
+    /// LoRA enabled, adapters loaded (see `lora.rs`).
+    lora: bool,
 }
 
 impl<'a> ModelRun<'a> {
@@ -255,10 +471,21 @@ impl<'a> ModelRun<'a> {
         name: &str,
         model_dir: &Path,
         http: &reqwest::Client,
+        lora: bool,
     ) -> Result<ModelRun<'a>> {
-        let (http_port, quic_port) = (free_tcp_port()?, free_udp_port()?);
+        let (http_port, quic_port, admin_port) =
+            (free_tcp_port()?, free_udp_port()?, free_tcp_port()?);
         let config = opts.work.join("router.yaml");
-        std::fs::write(&config, "{}\n")?;
+        // Weights are neutral for base-model requests (every pod scores the same).
+        let weights = if lora {
+            format!(
+                "scheduler:\n  weights:\n    loraAffinity: {}\n",
+                lora::AFFINITY_WEIGHT
+            )
+        } else {
+            "{}\n".to_owned()
+        };
+        std::fs::write(&config, weights)?;
         let mut args = vec![
             "--listen".into(),
             format!("127.0.0.1:{http_port}"),
@@ -268,6 +495,10 @@ impl<'a> ModelRun<'a> {
             config.display().to_string(),
             "--router-id".into(),
             "real-vllm".into(),
+            "--admin-listen".into(),
+            format!("127.0.0.1:{admin_port}"),
+            // The checks read each pick from the answer.
+            "--decision-header".into(),
         ];
         args.extend(certs.leaf_flags("router")?);
         let router = Proc::spawn(
@@ -279,14 +510,15 @@ impl<'a> ModelRun<'a> {
         )?;
         let mut engines = Vec::new();
         for index in 0..2 {
-            let mut e = Engine {
-                index,
-                port: free_tcp_port()?,
-                kv_port: free_tcp_port()?,
-                replay_port: free_tcp_port()?,
-                proc: None,
-            };
-            e.start(opts, name, model_dir, logs)?;
+            let mut e = Engine::new(index)?;
+            e.start(
+                opts,
+                name,
+                model_dir,
+                logs,
+                &ROUTED,
+                lora.then_some(lora::RANK),
+            )?;
             engines.push(e);
         }
         let t = Instant::now();
@@ -297,10 +529,25 @@ impl<'a> ModelRun<'a> {
             "real-vllm: {name}: both engines answer /health after {:.0} s",
             t.elapsed().as_secs_f64()
         );
-        let mut subscribers = Vec::new();
-        for e in &engines {
-            subscribers.push(Subscriber::start(opts, e).await?);
+        // Loaded at run time, before the sidecars read the engines' facts.
+        if lora {
+            lora::load(opts, http, name, model_dir, &engines).await?;
         }
+        // Each subscriber imports vLLM (tens of seconds): the two start side by side.
+        let endpoints: Vec<(String, String)> = engines
+            .iter()
+            .map(|e| {
+                (
+                    format!("tcp://127.0.0.1:{}", e.kv_port),
+                    format!("tcp://127.0.0.1:{}", e.replay_port),
+                )
+            })
+            .collect();
+        let (a, b) = tokio::join!(
+            Subscriber::start(opts, &endpoints[0].0, &endpoints[0].1),
+            Subscriber::start(opts, &endpoints[1].0, &endpoints[1].1)
+        );
+        let subscribers = vec![a?, b?];
         let mut sidecars = Vec::new();
         for e in &engines {
             let listen = free_tcp_port()?;
@@ -347,7 +594,9 @@ impl<'a> ModelRun<'a> {
             subscribers,
             router,
             router_url: format!("http://127.0.0.1:{http_port}"),
+            admin_url: format!("http://127.0.0.1:{admin_port}"),
             checks: Vec::new(),
+            lora,
         })
     }
 
@@ -401,7 +650,7 @@ impl<'a> ModelRun<'a> {
         );
 
         // Both pods routable, with the engine's facts.
-        let pods = wait_pods(http, &self.router_url, 2).await;
+        let pods = wait_pods(http, &self.admin_url, 2).await;
         self.check(
             "both pods Ready",
             pods.is_ok(),
@@ -437,7 +686,7 @@ impl<'a> ModelRun<'a> {
         self.check("engine facts", facts_ok, facts.join("; "));
 
         // The tokenizer check agrees with the engine.
-        let verdict = wait_verdict(http, &self.router_url, &self.name).await;
+        let verdict = wait_verdict(http, &self.admin_url, &self.name).await;
         let v = verdict
             .as_ref()
             .map(|v| v.to_string())
@@ -483,13 +732,28 @@ impl<'a> ModelRun<'a> {
         }
         self.check("resident blocks", equal, figures.join("; "));
 
-        // Unrouted load: generations sent straight to engine 1.
-        let unrouted = self.unrouted(http).await?;
+        if self.lora {
+            self.lora_checks(http).await?;
+        }
+
+        // Bypassing load: generations sent straight to engine 1.
+        let b = self.bypass(http).await?;
         self.check(
-            "unrouted load seen",
-            unrouted >= 2,
+            "bypass load seen",
+            b.most >= 2 && b.reports <= 2,
             format!(
-                "3 generations posted straight to engine 1; the router saw unrouted = {unrouted}"
+                "3 generations posted straight to engine 1; the router saw unrouted = {} in the \
+                 load report {} after the one current when the engine first counted one \
+                 running ({:.0} ms later); at most {} while they ran",
+                b.first, b.reports, b.millis, b.most
+            ),
+        );
+        self.check(
+            "bypass load steers away",
+            b.steered == b.sent && b.sent > 0,
+            format!(
+                "{} of {} new routed requests went to the other pod while it ran",
+                b.steered, b.sent
             ),
         );
 
@@ -659,34 +923,82 @@ impl<'a> ModelRun<'a> {
         Ok(last)
     }
 
-    /// Posts three long generations straight to engine 1 and returns the most `unrouted` the
-    /// router reported for that pod while they ran.
-    async fn unrouted(&self, http: &reqwest::Client) -> Result<u64> {
+    /// Posts three long generations straight to engine 1 (as a benchmark run through
+    /// `kubectl exec` would), measures how soon the router sees them as engine 1's `unrouted`
+    /// load, and routes new requests while they run.
+    async fn bypass(&self, http: &reqwest::Client) -> Result<Bypass> {
         let url = format!("{}/v1/completions", self.engines[1].url());
         let tasks: Vec<_> = (0..3)
             .map(|n| {
                 let (http, url) = (http.clone(), url.clone());
-                let body = json!({"model": self.name, "prompt": format!("A benchmark run {n} from kubectl exec."), "max_tokens": 400, "ignore_eos": true});
+                let body = json!({"model": self.name, "prompt": format!("A benchmark run {n} from kubectl exec."), "max_tokens": 1000, "ignore_eos": true});
                 tokio::spawn(async move { post(&http, &url, &body).await })
             })
             .collect();
-        let pod = format!("real-vllm/{}-1", self.name);
-        let mut most = 0;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline && !tasks.iter().all(|t| t.is_finished()) {
-            if let Ok(pods) = debug_pods(http, &self.router_url).await {
-                for p in pods {
-                    if p["pod"] == pod.as_str() {
-                        most = most.max(p["unrouted"].as_u64().unwrap_or(0));
-                    }
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let result = self.watch_bypass(http, &tasks).await;
         for t in tasks {
             t.abort();
         }
-        Ok(most)
+        result
+    }
+
+    async fn watch_bypass(&self, http: &reqwest::Client, tasks: &[Posting]) -> Result<Bypass> {
+        let pod = format!("real-vllm/{}-1", self.name);
+        let other = format!("real-vllm/{}-0", self.name);
+        let engine = self.engines[1].url();
+        let of = |pods: &[Value], key: &str| -> (u64, u64) {
+            pods.iter()
+                .find(|p| p["pod"] == pod.as_str())
+                .map_or((0, 0), |p| {
+                    (
+                        p["load"]["seq"].as_u64().unwrap_or(0),
+                        p[key].as_u64().unwrap_or(0),
+                    )
+                })
+        };
+        // The moment the engine itself counts a request running, and the report then current.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let (t0, s0) = loop {
+            if engine_metric(http, &engine, "vllm:num_requests_running").await? >= 1.0 {
+                let pods = debug_pods(http, &self.admin_url).await?;
+                break (Instant::now(), of(&pods, "unrouted").0);
+            }
+            if Instant::now() > deadline || tasks.iter().all(|t| t.is_finished()) {
+                bail!("engine 1 never counted the generations running");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let mut b = Bypass::default();
+        loop {
+            let (seq, unrouted) = of(&debug_pods(http, &self.admin_url).await?, "unrouted");
+            if unrouted > 0 {
+                b.first = unrouted;
+                b.reports = seq.saturating_sub(s0);
+                b.millis = t0.elapsed().as_secs_f64() * 1e3;
+                break;
+            }
+            if Instant::now() > deadline || tasks.iter().all(|t| t.is_finished()) {
+                bail!("the router never saw engine 1's unrouted load");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Routed requests with prompts no pod caches: the load alone decides.
+        let url = format!("{}/v1/completions", self.router_url);
+        for n in 0..3 {
+            let body = json!({"model": self.name, "prompt": format!("Fresh request {n} while a benchmark runs elsewhere."), "max_tokens": 1});
+            let (_, d) = post(http, &url, &body).await?;
+            b.sent += 1;
+            if d.as_ref().and_then(|d| d["pod"].as_str()) == Some(other.as_str()) {
+                b.steered += 1;
+            }
+            b.most = b
+                .most
+                .max(of(&debug_pods(http, &self.admin_url).await?, "unrouted").1);
+        }
+        if tasks.iter().any(|t| t.is_finished()) {
+            bail!("a bypassing generation ended before the routed requests were sent");
+        }
+        Ok(b)
     }
 
     /// Kills engine `i` and starts it again on the same ports; Ok once the router routes to it
@@ -701,11 +1013,11 @@ impl<'a> ModelRun<'a> {
             self.model_dir.clone(),
             self.logs.clone(),
         );
-        self.engines[i].start(opts, &name, &dir, &logs)?;
+        self.engines[i].start(opts, &name, &dir, &logs, &ROUTED, None)?;
         self.engines[i].wait_healthy(http).await?;
-        wait_pods(http, &self.router_url, 2).await?;
+        wait_pods(http, &self.admin_url, 2).await?;
         let pod = format!("real-vllm/{}-{i}", self.name);
-        let p = debug_pods(http, &self.router_url)
+        let p = debug_pods(http, &self.admin_url)
             .await?
             .into_iter()
             .find(|p| p["pod"] == pod.as_str())
@@ -726,10 +1038,28 @@ impl<'a> ModelRun<'a> {
                 p.stop(Duration::from_secs(10)).await;
             }
         }
-        for mut s in self.subscribers {
-            let _ = s.child.kill().await;
+        for s in self.subscribers {
+            s.stop().await;
         }
     }
+}
+
+/// A request being posted in the background: its answer and the router's decision.
+type Posting = tokio::task::JoinHandle<Result<(Value, Option<Value>)>>;
+
+/// What the bypass check saw.
+#[derive(Debug, Default)]
+struct Bypass {
+    /// `unrouted` in the first report that showed any, how many reports after the one current
+    /// when the engine first counted a request running, and how long after.
+    first: u64,
+    reports: u64,
+    millis: f64,
+    /// The most `unrouted` seen while the routed requests were sent.
+    most: u64,
+    /// Routed requests sent meanwhile, and how many went to the other pod.
+    sent: usize,
+    steered: usize,
 }
 
 /// Predictions against the engine's answers.
