@@ -74,6 +74,15 @@ pub struct Outcome {
     pub decision: Option<Value>,
     /// HTTP status, an error event in the stream or a transport failure.
     pub error: Option<String>,
+    /// The HTTP status, when an answer came.
+    pub status: Option<u16>,
+}
+
+impl Outcome {
+    /// Answered 429: a router's flow control shed it.
+    pub fn shed(&self) -> bool {
+        self.status == Some(429)
+    }
 }
 
 /// Sends every request of `plan` to its replica of `targets` at its offset; returns the
@@ -97,8 +106,9 @@ pub async fn run(
         let replica = targets.replica(i, r.key);
         let url = format!("{}{}", bases[replica], r.path);
         let body = r.body.clone();
+        let headers = r.headers.clone();
         tasks.push(tokio::spawn(async move {
-            let o = match tokio::time::timeout(deadline, one(&http, &url, body)).await {
+            let o = match tokio::time::timeout(deadline, one(&http, &url, body, &headers)).await {
                 Ok(o) => o,
                 Err(_) => Outcome {
                     e2e_s: deadline.as_secs_f64(),
@@ -119,17 +129,23 @@ pub async fn run(
     out
 }
 
-/// Sends one streamed request and reads its answer to the end.
-pub async fn one(http: &reqwest::Client, url: &str, body: bytes::Bytes) -> Outcome {
+/// Sends one streamed request (with `headers`) and reads its answer to the end.
+pub async fn one(
+    http: &reqwest::Client,
+    url: &str,
+    body: bytes::Bytes,
+    headers: &[(&'static str, String)],
+) -> Outcome {
     let t0 = Instant::now();
     let mut o = Outcome::default();
-    let resp = http
+    let mut req = http
         .post(url)
         .header("content-type", "application/json")
-        .header("x-kvsight-debug", "1")
-        .body(body)
-        .send()
-        .await;
+        .header("x-kvsight-debug", "1");
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    let resp = req.body(body).send().await;
     let resp = match resp {
         Ok(r) => r,
         Err(e) => {
@@ -150,6 +166,7 @@ pub async fn one(http: &reqwest::Client, url: &str, body: bytes::Bytes) -> Outco
         o.decision = Some(d);
     }
     let status = resp.status();
+    o.status = Some(status.as_u16());
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();
         o.error = Some(format!(

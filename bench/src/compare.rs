@@ -60,6 +60,7 @@ impl Options {
     /// Whether `router` runs on `workload`.
     pub fn pairs(&self, router: RouterKind, workload: WorkloadKind) -> bool {
         router.is_headline()
+            || (router == RouterKind::KvsightFlow && WorkloadKind::FLOW.contains(&workload))
             || self
                 .variants_on
                 .as_ref()
@@ -158,6 +159,8 @@ impl UnderTest<'_> {
 impl<'o> Bench<'o> {
     fn prepare(opts: &'o Options) -> Result<Bench<'o>> {
         std::fs::create_dir_all(&opts.out)?;
+        // One run, one time scale: a second `set` (a library caller's second run) keeps it.
+        let _ = routers::BENCH_TIME_SCALE.set(opts.time_scale);
         let logs = opts.out.join("logs");
         let _ = std::fs::remove_dir_all(&logs);
         let http = reqwest::Client::builder()
@@ -471,7 +474,10 @@ impl<'o> Bench<'o> {
             added_latency_ms: added_ms,
             predicts: rk.predicts(),
             staleness_ms,
+            groups: &plan.requests.iter().map(|r| r.group).collect::<Vec<_>>(),
+            flow_control: rk.flow_control(),
         });
+        print_groups(&r);
         print_run(&r, run_start.elapsed().as_secs_f64(), setup_s, wall_s);
         let ttfts_s = outcomes
             .iter()
@@ -516,6 +522,21 @@ impl Bench<'_> {
         // The bypassing load has done its job once the measured requests are done.
         exec.abort();
         Ok((outcomes, Some(cold?)))
+    }
+}
+
+/// One line per group of a run's requests (workloads with groups).
+fn print_groups(r: &RunResult) {
+    for (name, g) in &r.groups {
+        println!(
+            "bench:   group {name:<12} requests {:>4} shed {:>4} errors {:>3} ttft p50 {:>7} p90 {:>7} out tok/s {:.0}",
+            g.requests,
+            g.shed,
+            g.errors,
+            g.ttft_p50_s.map_or("–".into(), |v| format!("{v:.3}")),
+            g.ttft_p90_s.map_or("–".into(), |v| format!("{v:.3}")),
+            g.output_tokens_per_s,
+        );
     }
 }
 
@@ -664,6 +685,8 @@ fn write_outcomes(
                 "key": r.key,
                 "sent_at_s": r.at.as_secs_f64(),
                 "replica": o.replica,
+                "group": r.group,
+                "status": o.status,
                 "prompt_tokens": r.prompt_tokens,
                 "ttft_s": o.ttft_s,
                 "e2e_s": o.e2e_s,
@@ -712,6 +735,8 @@ async fn added_latency(
                 body: bytes::Bytes::from(body.to_string()),
                 prompt_tokens: 0,
                 key: 0,
+                headers: Vec::new(),
+                group: None,
             };
             async move {
                 let o = client::run(
@@ -811,6 +836,8 @@ mod tests {
             body: bytes::Bytes::new(),
             prompt_tokens: 0,
             key,
+            headers: Vec::new(),
+            group: None,
         }
     }
 

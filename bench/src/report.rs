@@ -40,7 +40,16 @@ pub struct RunResult {
     /// kvsight only: requests that a replica sent to another pod than the one a different
     /// replica had sent the same tenant or session to within one load-report interval before.
     pub split_placements: Option<usize>,
+    /// Requests that failed, not counting those shed (answered 429).
     pub errors: usize,
+    /// Requests a router's flow control answered 429.
+    pub shed: usize,
+    /// Whether the router ran with flow control (`on`/`off`; peers have none: `off`).
+    pub flow_control: &'static str,
+    /// Per group of requests, for workloads that have groups (noisy_neighbor: `quiet`,
+    /// `quiet_calm`, `noisy`, `noisy_calm`; priority_mix: `interactive`, `batch`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub groups: BTreeMap<String, Group>,
     /// Router CPU seconds (whole process group) per 1,000 requests.
     pub router_cpu_s_per_1k: f64,
     pub router_rss_mib: f64,
@@ -54,6 +63,21 @@ pub struct RunResult {
     /// The first error, to say what went wrong.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_error: Option<String>,
+}
+
+/// The figures of one group of a run's requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct Group {
+    pub requests: usize,
+    pub shed: usize,
+    /// Failed otherwise.
+    pub errors: usize,
+    /// Over the group's successful requests, simulated seconds.
+    pub ttft_p50_s: Option<f64>,
+    pub ttft_p90_s: Option<f64>,
+    pub ttft_p99_s: Option<f64>,
+    /// The group's output tokens per simulated second over the whole run.
+    pub output_tokens_per_s: f64,
 }
 
 /// The coefficients of variation of [`RunResult::load_cov`].
@@ -94,6 +118,9 @@ pub struct RunInputs<'a> {
     pub added_latency_ms: Option<f64>,
     pub predicts: bool,
     pub staleness_ms: Option<(f64, f64)>,
+    /// Each request's group (in outcome order), when the workload has groups.
+    pub groups: &'a [Option<&'static str>],
+    pub flow_control: bool,
 }
 
 /// The `q` quantile (0–1) of `v` (nearest rank), `None` when empty.
@@ -110,6 +137,48 @@ impl RunResult {
     pub fn new(i: &RunInputs<'_>) -> RunResult {
         let ok: Vec<&Outcome> = i.outcomes.iter().filter(|o| o.error.is_none()).collect();
         let scale = i.time_scale;
+        let shed = i.outcomes.iter().filter(|o| o.shed()).count();
+        let mut groups: BTreeMap<String, Group> = BTreeMap::new();
+        let mut names: Vec<&'static str> = i.groups.iter().flatten().copied().collect();
+        names.sort_unstable();
+        names.dedup();
+        for name in names {
+            let members: Vec<&Outcome> = i
+                .outcomes
+                .iter()
+                .zip(i.groups)
+                .filter(|(_, g)| **g == Some(name))
+                .map(|(o, _)| o)
+                .collect();
+            let mut t: Vec<f64> = members
+                .iter()
+                .filter(|o| o.error.is_none())
+                .filter_map(|o| o.ttft_s)
+                .map(|t| t / scale)
+                .collect();
+            let out: u64 = members
+                .iter()
+                .filter(|o| o.error.is_none())
+                .map(|o| u64::from(o.completion_tokens))
+                .sum();
+            let shed = members.iter().filter(|o| o.shed()).count();
+            groups.insert(
+                name.to_owned(),
+                Group {
+                    requests: members.len(),
+                    shed,
+                    errors: members.iter().filter(|o| o.error.is_some()).count() - shed,
+                    ttft_p50_s: quantile(&mut t, 0.5),
+                    ttft_p90_s: quantile(&mut t, 0.9),
+                    ttft_p99_s: quantile(&mut t, 0.99),
+                    output_tokens_per_s: if i.wall_s > 0.0 {
+                        out as f64 / (i.wall_s / scale)
+                    } else {
+                        0.0
+                    },
+                },
+            );
+        }
         let mut ttft: Vec<f64> = ok
             .iter()
             .filter_map(|o| o.ttft_s)
@@ -160,7 +229,10 @@ impl RunResult {
                 prompt_tokens: cov(&i.pods.iter().map(|p| p.prompt_tokens).collect::<Vec<_>>()),
             },
             split_placements: i.split_placements,
-            errors: n - ok.len(),
+            errors: n - ok.len() - shed,
+            shed,
+            flow_control: if i.flow_control { "on" } else { "off" },
+            groups,
             router_cpu_s_per_1k: if n == 0 {
                 0.0
             } else {
@@ -173,7 +245,11 @@ impl RunResult {
             }),
             staleness_p50_ms: i.staleness_ms.map(|s| s.0),
             staleness_p99_ms: i.staleness_ms.map(|s| s.1),
-            first_error: i.outcomes.iter().find_map(|o| o.error.clone()),
+            first_error: i
+                .outcomes
+                .iter()
+                .filter(|o| !o.shed())
+                .find_map(|o| o.error.clone()),
         }
     }
 }
@@ -230,6 +306,31 @@ pub fn markdown(runs: &[RunResult]) -> String {
                 f(r.prediction_accuracy, 3),
                 f(r.staleness_p99_ms, 1),
             ));
+        }
+    }
+    if runs.iter().any(|r| !r.groups.is_empty()) {
+        s.push_str(
+            "\n| workload | rate | router | replicas | flow control | group | requests | shed | errors | TTFT p50 | TTFT p90 | TTFT p99 | out tok/s |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        );
+        for r in runs {
+            for (name, g) in &r.groups {
+                s.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {name} | {} | {} | {} | {} | {} | {} | {:.0} |\n",
+                    r.workload,
+                    r.rate,
+                    r.router,
+                    replicas(r),
+                    r.flow_control,
+                    g.requests,
+                    g.shed,
+                    g.errors,
+                    f(g.ttft_p50_s, 3),
+                    f(g.ttft_p90_s, 3),
+                    f(g.ttft_p99_s, 3),
+                    g.output_tokens_per_s,
+                ));
+            }
         }
     }
     s

@@ -22,6 +22,8 @@ pub enum Kind {
     KvsightPrefix0,
     /// kvsight scoring with LMetric's product: uncached prompt tokens × batch size.
     KvsightLmetric,
+    /// kvsight with flow control on ([`flow_config`]).
+    KvsightFlow,
     /// smg (Shepherd Model Gateway), cache_aware policy.
     SmgCacheAware,
     /// smg, power of two choices.
@@ -39,11 +41,12 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 11] = [
+    pub const ALL: [Kind; 12] = [
         Kind::Kvsight,
         Kind::KvsightApprox,
         Kind::KvsightPrefix0,
         Kind::KvsightLmetric,
+        Kind::KvsightFlow,
         Kind::SmgCacheAware,
         Kind::SmgPowerOfTwo,
         Kind::SglangCacheAware,
@@ -59,6 +62,7 @@ impl Kind {
             Kind::KvsightApprox => "kvsight-approx",
             Kind::KvsightPrefix0 => "kvsight-prefix0",
             Kind::KvsightLmetric => "kvsight-lmetric",
+            Kind::KvsightFlow => "kvsight-flow",
             Kind::SmgCacheAware => "smg-cache_aware",
             Kind::SmgPowerOfTwo => "smg-power_of_two",
             Kind::SglangCacheAware => "sglang-cache_aware",
@@ -88,7 +92,11 @@ impl Kind {
     pub fn is_kvsight(self) -> bool {
         matches!(
             self,
-            Kind::Kvsight | Kind::KvsightApprox | Kind::KvsightPrefix0 | Kind::KvsightLmetric
+            Kind::Kvsight
+                | Kind::KvsightApprox
+                | Kind::KvsightPrefix0
+                | Kind::KvsightLmetric
+                | Kind::KvsightFlow
         )
     }
 
@@ -107,8 +115,16 @@ impl Kind {
         self.is_kvsight()
     }
 
+    /// Whether the router runs with flow control.
+    pub fn flow_control(self) -> bool {
+        self == Kind::KvsightFlow
+    }
+
     /// The kvsight config file for a variant.
-    fn kvsight_config(self) -> &'static str {
+    fn kvsight_config(self) -> String {
+        if self == Kind::KvsightFlow {
+            return flow_config(*BENCH_TIME_SCALE.get().unwrap_or(&2.0));
+        }
         match self {
             Kind::KvsightPrefix0 => "scheduler:\n  weights: {prefix: 0}\n",
             Kind::KvsightLmetric => {
@@ -116,8 +132,37 @@ impl Kind {
             }
             _ => "{}\n",
         }
+        .to_owned()
     }
 }
+
+/// The bench's time scale, for configs whose durations are wall-clock (flow control's budgets);
+/// set once by the run before any router starts.
+pub static BENCH_TIME_SCALE: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+
+/// kvsight-flow's config: the default router with flow control on. Budgets in simulated
+/// seconds, scaled to wall-clock by `time_scale` (the router's clock is the wall's). The wait
+/// budget keeps each pod's predicted wait under 50 ms (simulated): pods stay busy (the next
+/// request is sent the moment one finishes) while their own queues stay short; the queue's
+/// order then decides who waits.
+pub fn flow_config(time_scale: f64) -> String {
+    let s = |sim: f64| sim * time_scale;
+    format!(
+        "flowControl:\n  enabled: true\n  classes:\n    \
+         - {{name: interactive, priority: 2, ttftBudgetSeconds: {}, maxWaitSeconds: {}}}\n    \
+         - {{name: standard, priority: 1, ttftBudgetSeconds: {}, maxWaitSeconds: {}}}\n    \
+         - {{name: batch, priority: 0, ttftBudgetSeconds: {}, maxWaitSeconds: {}}}\n",
+        s(FLOW_WAIT_BUDGET_S),
+        s(2.0),
+        s(FLOW_WAIT_BUDGET_S),
+        s(30.0),
+        s(FLOW_WAIT_BUDGET_S),
+        s(600.0),
+    )
+}
+
+/// kvsight-flow's `ttftBudgetSeconds`, simulated seconds.
+pub const FLOW_WAIT_BUDGET_S: f64 = 0.05;
 
 /// The pinned peer versions.
 pub const PEERS: [(&str, &str); 3] = [
@@ -219,7 +264,11 @@ impl KvsightRouter {
         // An experiment may replace the default variant's config.
         let text = match (kind, std::env::var("KVSIGHT_BENCH_CONFIG")) {
             (Kind::Kvsight, Ok(text)) => text,
-            _ => kind.kvsight_config().to_owned(),
+            (Kind::KvsightFlow, _) => match std::env::var("KVSIGHT_BENCH_FLOW_CONFIG") {
+                Ok(text) => text,
+                Err(_) => kind.kvsight_config(),
+            },
+            _ => kind.kvsight_config(),
         };
         std::fs::write(&config, text)?;
         let mut args = vec![

@@ -421,7 +421,7 @@ async fn client_loop(
         let start = Instant::now();
         let outcome = tokio::time::timeout(
             REQUEST_TIMEOUT,
-            client::one(&http, &url, bytes::Bytes::from(body.to_string())),
+            client::one(&http, &url, bytes::Bytes::from(body.to_string()), &[]),
         )
         .await;
         let finished = Instant::now();

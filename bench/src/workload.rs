@@ -34,6 +34,11 @@ pub enum Kind {
     Unique,
     /// multi_tenant plus generations sent straight to one pod and a cold pod joining mid-run.
     MixedFaults,
+    /// Eight tenants; after a calm phase one of them bursts at 5× its rate past the fleet's
+    /// capacity while the others keep theirs (flow control's fair shares).
+    NoisyNeighbor,
+    /// Interactive and batch classes together past saturation (flow control's priorities).
+    PriorityMix,
 }
 
 impl Kind {
@@ -46,8 +51,13 @@ impl Kind {
         Kind::MixedFaults,
     ];
 
+    /// The workloads that measure flow control (not in [`Self::ALL`]: they are run by name).
+    pub const FLOW: [Kind; 2] = [Kind::NoisyNeighbor, Kind::PriorityMix];
+
     pub fn name(self) -> &'static str {
         match self {
+            Kind::NoisyNeighbor => "noisy_neighbor",
+            Kind::PriorityMix => "priority_mix",
             Kind::SharedPrefix => "shared_prefix",
             Kind::MultiTenant => "multi_tenant",
             Kind::MultiTurn => "multi_turn",
@@ -71,6 +81,10 @@ pub struct Request {
     /// Who sends it: the tenant, the chat session or the agent's session (each request its own
     /// where nothing is shared). A gateway pinning clients to router replicas pins by this.
     pub key: u32,
+    /// Headers the client sends with it (flow control's class and tenant).
+    pub headers: Vec<(&'static str, String)>,
+    /// The group its figures are reported in (`RunResult::groups`), if the workload has groups.
+    pub group: Option<&'static str>,
 }
 
 /// One request body before arrival times are drawn.
@@ -80,7 +94,27 @@ struct Body {
     body: bytes::Bytes,
     prompt_tokens: u32,
     key: u32,
+    headers: Vec<(&'static str, String)>,
+    /// Its group, for workloads whose bodies are their groups' (priority_mix).
+    group: Option<&'static str>,
 }
+
+/// noisy_neighbor's shape: tenants, the noisy one's share of the calm rate, the burst.
+pub mod noisy {
+    /// Tenants, the first of them noisy.
+    pub const TENANTS: usize = 8;
+    /// The noisy tenant's share of the calm rate; the seven others share the rest evenly.
+    pub const NOISY_SHARE: f64 = 0.3;
+    /// How many times its calm rate the noisy tenant sends during the burst.
+    pub const BURST: f64 = 5.0;
+    /// Simulated seconds of the calm phase, then of the burst.
+    pub const CALM_S: f64 = 4.0;
+    pub const BURST_S: f64 = 4.0;
+}
+
+/// The headers flow control reads.
+pub const PRIORITY_HEADER: &str = "x-kvsight-priority";
+pub const TENANT_HEADER: &str = "x-kvsight-tenant";
 
 /// A workload at one rate: its requests, and what the cluster must look like for it.
 #[derive(Debug, Clone)]
@@ -181,6 +215,97 @@ pub struct TenantShape {
     pub output_tokens: Option<u32>,
 }
 
+/// Apps sending priority_mix's interactive requests.
+const PRIORITY_APPS: usize = 4;
+
+/// A streamed completion body.
+fn completion_body(tok: &ModelTokenizer, prompt: &str, max_tokens: u32, key: usize) -> Body {
+    Body {
+        path: "/v1/completions",
+        body: bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
+        prompt_tokens: completion_tokens(tok, prompt),
+        key: key as u32,
+        headers: Vec::new(),
+        group: None,
+    }
+}
+
+/// noisy_neighbor's bodies: multi_tenant's requests (system prompt, question, answer) for
+/// [`noisy::TENANTS`] tenants, each tenant's in order (the noisy one four times as many), keyed
+/// by tenant and naming it in a header; the plan draws the arrivals. Also the system prompts'
+/// tokens.
+fn noisy_bodies(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    per_tenant: usize,
+) -> (Vec<Body>, u64) {
+    let systems: Vec<String> = (0..noisy::TENANTS)
+        .map(|g| system_prompt(tok, rng, cost.tokens(6000), &format!("tenant {g}")))
+        .collect();
+    let mut bodies = Vec::new();
+    for (g, system) in systems.iter().enumerate() {
+        let n = if g == 0 { 4 * per_tenant } else { per_tenant };
+        for _ in 0..n {
+            let lead = format!("User of tenant {g} asks: {}\n", question(rng));
+            let q = text_of(tok, rng, cost.tokens(1200), &lead);
+            let mut b = completion_body(tok, &format!("{system}\n{q}"), cost.tokens(1000), g);
+            b.headers = vec![(TENANT_HEADER, format!("tenant-{g}"))];
+            bodies.push(b);
+        }
+    }
+    let shared = systems
+        .iter()
+        .map(|s| u64::from(completion_tokens(tok, s)))
+        .sum();
+    (bodies, shared)
+}
+
+/// priority_mix's bodies: half interactive ([`PRIORITY_APPS`] apps' 1,500-token system
+/// prompts, short questions and answers), half batch (2,000-token documents summarised at
+/// length), interleaved, each naming its class and tenant. Also the system prompts' tokens.
+fn priority_bodies(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    count: usize,
+) -> (Vec<Body>, u64) {
+    let systems: Vec<String> = (0..PRIORITY_APPS)
+        .map(|a| system_prompt(tok, rng, cost.tokens(6000), &format!("app {a}")))
+        .collect();
+    let mut bodies = Vec::with_capacity(count);
+    for n in 0..count {
+        let b = if rng.below(2) == 0 {
+            let a = rng.below(PRIORITY_APPS);
+            let lead = format!("A user of app {a} asks: {}\n", question(rng));
+            let q = text_of(tok, rng, cost.tokens(400), &lead);
+            let prompt = format!("{}\n{q}", systems[a]);
+            let mut b = completion_body(tok, &prompt, cost.tokens(400), a);
+            b.headers = vec![
+                (PRIORITY_HEADER, "interactive".to_owned()),
+                (TENANT_HEADER, format!("app-{a}")),
+            ];
+            b.group = Some("interactive");
+            b
+        } else {
+            let p = text_of(tok, rng, cost.tokens(2000), &format!("Document {n}.\n"));
+            let mut b = completion_body(tok, &p, cost.tokens(1000), PRIORITY_APPS + n);
+            b.headers = vec![
+                (PRIORITY_HEADER, "batch".to_owned()),
+                (TENANT_HEADER, "batch".to_owned()),
+            ];
+            b.group = Some("batch");
+            b
+        };
+        bodies.push(b);
+    }
+    let shared = systems
+        .iter()
+        .map(|s| u64::from(completion_tokens(tok, s)))
+        .sum();
+    (bodies, shared)
+}
+
 /// Builds the request bodies, in order, and sizes the cache; `pods` is the cluster size;
 /// `count` replaces the workload's requests per run.
 pub fn build(
@@ -208,6 +333,8 @@ pub fn build(
             body: bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
             prompt_tokens: completion_tokens(tok, prompt),
             key: key as u32,
+            headers: Vec::new(),
+            group: None,
         });
     };
     // Returns the prompt's tokens on the pods.
@@ -219,6 +346,8 @@ pub fn build(
                 body: bytes::Bytes::from(chat(msgs, max_tokens).to_string()),
                 prompt_tokens,
                 key: key as u32,
+                headers: Vec::new(),
+                group: None,
             });
             prompt_tokens
         };
@@ -368,6 +497,25 @@ pub fn build(
                 .sum();
             rates = vec![32.0, 64.0, 96.0];
         }
+        Kind::NoisyNeighbor => {
+            let per_tenant = count_override.unwrap_or(if quick { 48 } else { 96 });
+            let (b, shared) = noisy_bodies(tok, &mut rng, cost, per_tenant);
+            bodies = b;
+            count = bodies.len();
+            shared_prompts = noisy::TENANTS;
+            shared_tokens = shared;
+            // The calm rate: the burst adds (BURST - 1) × 0.3 of it, 2.2× in all.
+            rates = vec![48.0];
+        }
+        Kind::PriorityMix => {
+            count = count_override.unwrap_or(if quick { 240 } else { 480 });
+            let (b, shared) = priority_bodies(tok, &mut rng, cost, count);
+            bodies = b;
+            shared_prompts = PRIORITY_APPS;
+            shared_tokens = shared;
+            // Past saturation: the interactive half alone is within the fleet's capacity.
+            rates = vec![192.0];
+        }
         Kind::Unique => {
             count = count_override.unwrap_or(200);
             for n in 0..count {
@@ -409,6 +557,9 @@ impl Workload {
     /// The run at `rate` (simulated requests per second): Poisson arrivals, seeded by the
     /// workload and the rate, in wall-clock time.
     pub fn plan(&self, rate: f64, time_scale: f64) -> Plan {
+        if self.kind == Kind::NoisyNeighbor {
+            return self.noisy_plan(rate, time_scale);
+        }
         let mut rng = SeededRng::new(0x6172_7269_7665 ^ rate.to_bits());
         let mut t = 0.0f64;
         let requests = self
@@ -424,6 +575,75 @@ impl Workload {
                     body: b.body.clone(),
                     prompt_tokens: b.prompt_tokens,
                     key: b.key,
+                    headers: b.headers.clone(),
+                    group: b.group,
+                }
+            })
+            .collect();
+        Plan {
+            kind: self.kind,
+            rate,
+            requests,
+        }
+    }
+
+    /// noisy_neighbor at calm rate `rate`: each tenant a Poisson process of its own — the noisy
+    /// tenant at [`noisy::NOISY_SHARE`] of `rate` in the calm phase and [`noisy::BURST`] times
+    /// that in the burst, every quiet tenant at its even share of the rest throughout. Groups:
+    /// `quiet_calm`, `noisy_calm`, `quiet` (quiet tenants during the burst), `noisy`.
+    fn noisy_plan(&self, rate: f64, time_scale: f64) -> Plan {
+        let mut rng = SeededRng::new(0x6e6f_6973_7900 ^ rate.to_bits());
+        let by_tenant: Vec<Vec<&Body>> = (0..noisy::TENANTS)
+            .map(|g| self.bodies.iter().filter(|b| b.key as usize == g).collect())
+            .collect();
+        let quiet_rate = rate * (1.0 - noisy::NOISY_SHARE) / (noisy::TENANTS - 1) as f64;
+        let mut arrivals: Vec<(f64, usize, &'static str)> = Vec::new();
+        for g in 0..noisy::TENANTS {
+            let phases = [
+                (
+                    0.0,
+                    noisy::CALM_S,
+                    if g == 0 { "noisy_calm" } else { "quiet_calm" },
+                ),
+                (
+                    noisy::CALM_S,
+                    noisy::CALM_S + noisy::BURST_S,
+                    if g == 0 { "noisy" } else { "quiet" },
+                ),
+            ];
+            for (i, (from, to, group)) in phases.into_iter().enumerate() {
+                let r = match (g, i) {
+                    (0, 0) => rate * noisy::NOISY_SHARE,
+                    (0, _) => rate * noisy::NOISY_SHARE * noisy::BURST,
+                    _ => quiet_rate,
+                };
+                let mut t = from;
+                loop {
+                    let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                    t += -(1.0 - u).ln() / r;
+                    if t >= to {
+                        break;
+                    }
+                    arrivals.push((t, g, group));
+                }
+            }
+        }
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut next = [0usize; noisy::TENANTS];
+        let requests = arrivals
+            .into_iter()
+            .map(|(t, g, group)| {
+                let list = &by_tenant[g];
+                let b = list[next[g] % list.len()];
+                next[g] += 1;
+                Request {
+                    at: Duration::from_secs_f64(t * time_scale),
+                    path: b.path,
+                    body: b.body.clone(),
+                    prompt_tokens: b.prompt_tokens,
+                    key: b.key,
+                    headers: b.headers.clone(),
+                    group: Some(group),
                 }
             })
             .collect();

@@ -48,6 +48,9 @@ pub struct RouterConfig {
     /// Local tokenizer folders per model name (a `tokenizer.json`, usually with a
     /// `tokenizer_config.json`); models not listed get their tokenizer from a sidecar.
     pub tokenizers: BTreeMap<String, PathBuf>,
+    /// Priorities, fair shares between tenants and admission by predicted wait
+    /// ([`crate::flow`]); off by default.
+    pub flow_control: crate::flow::FlowControlConfig,
 }
 
 /// A set of pods serving some models, with an optional context window and fallback.
@@ -547,6 +550,7 @@ impl RouterConfig {
                 ),
             ));
         }
+        self.flow_control.validate()?;
         Ok(())
     }
 

@@ -56,6 +56,17 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     Internal(String),
+    /// Flow control answered at once instead of letting the request wait ([`crate::flow`]).
+    #[error("{message}")]
+    Shed {
+        reason: &'static str,
+        retry_after_s: u64,
+        message: String,
+    },
+    /// Flow control's gate: no pod can take the request within its wait budget now. The
+    /// request waits in the queue; a client sees this only as a [`ApiError::Shed`].
+    #[error("every pod is predicted to make the request wait {wait_s:.3} s, over its budget")]
+    OverBudget { wait_s: f64 },
 }
 
 /// Seconds a client should wait before retrying when no pod is ready: about one report interval.
@@ -82,6 +93,7 @@ impl ApiError {
             ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Shed { .. } | ApiError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -127,6 +139,7 @@ pub fn error_body(status: StatusCode, message: &str, param: Option<&str>) -> ser
         408 => "RequestTimeoutError",
         413 => "RequestEntityTooLarge",
         431 => "RequestHeaderFieldsTooLarge",
+        429 => "RateLimitError",
         502 => "BadGatewayError",
         503 => "ServiceUnavailableError",
         504 => "GatewayTimeoutError",
@@ -161,6 +174,17 @@ impl IntoResponse for ApiError {
         ) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+        }
+        match self {
+            ApiError::Shed { retry_after_s, .. } => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            ApiError::OverBudget { .. } => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            }
+            _ => {}
         }
         resp
     }

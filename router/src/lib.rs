@@ -8,6 +8,7 @@
 pub mod body;
 pub mod config;
 pub mod error;
+pub mod flow;
 pub mod heavy;
 pub mod homes;
 pub mod http;

@@ -78,6 +78,8 @@ pub struct Metrics {
     unrouted: Family<Labels, Gauge>,
     report_age: Family<Labels, Gauge<f64, AtomicU64>>,
     hit_rate: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Flow control's queue, admissions and sheds ([`crate::flow`]).
+    pub flow: crate::flow::FlowMetrics,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -128,8 +130,10 @@ impl Metrics {
             unrouted: Family::default(),
             report_age: Family::default(),
             hit_rate: Family::default(),
+            flow: crate::flow::FlowMetrics::new(),
             prom: PromRegistry::default(),
         };
+        m.flow.register(&mut prom);
         // prometheus-client appends `_total` to counters itself.
         m.register_picks(&mut prom);
         m.register_sight(&mut prom);

@@ -441,6 +441,11 @@ pub struct Registry {
     pods: HashMap<String, Pod>,
     next_conn: ConnId,
     homes: Homes,
+    /// Notified whenever a pod may have room it did not have: a load report, a request that
+    /// got its first token or finished, a pod that joined or left. Flow control's queue waits
+    /// on it ([`crate::flow`]); nothing else does, and a notification nobody waits for is one
+    /// stored permit.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 /// `namespace/name`.
@@ -451,6 +456,11 @@ pub fn pod_key(hello: &Hello) -> String {
 impl Registry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The signal notified when a pod may have freed room (see the field).
+    pub fn changes(&self) -> Arc<tokio::sync::Notify> {
+        self.changed.clone()
     }
 
     /// Registers a pod from its `Hello`, replacing any earlier connection for the same key.
@@ -479,6 +489,7 @@ impl Registry {
         let inflight = self.pods.get(&key).map_or(0, |p| p.inflight);
         let pod = Pod { inflight, ..pod };
         self.pods.insert(key.clone(), pod);
+        self.changed.notify_one();
         (key, self.next_conn)
     }
 
@@ -487,6 +498,7 @@ impl Registry {
         if self.pods.get(key).is_some_and(|p| p.conn == conn) {
             self.pods.remove(key);
             self.homes.forget_pod(key);
+            self.changed.notify_one();
             true
         } else {
             false
@@ -526,6 +538,7 @@ impl Registry {
             received_at: now,
             sampled_at,
         });
+        self.changed.notify_one();
         Ok(())
     }
 
@@ -723,6 +736,7 @@ impl Registry {
         if let Some(p) = self.pods.get_mut(key) {
             p.stop_awaiting(sent_at);
         }
+        self.changed.notify_one();
     }
 
     /// A request sent to `key` at `sent_at` finished at `now` (whatever the outcome; one still
@@ -737,6 +751,7 @@ impl Registry {
                 p.finished.pop_front();
             }
         }
+        self.changed.notify_one();
     }
 
     pub fn get(&self, key: &str) -> Option<&Pod> {

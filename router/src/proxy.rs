@@ -24,8 +24,9 @@ use tracing::{Instrument, field, info_span, warn};
 use crate::body::{self, BodyKind, Hold, ParsedBody, PromptInput};
 use crate::config::PoolConfig;
 use crate::error::{ApiError, error_body};
+use crate::flow;
 use crate::heavy::INLINE_BYTES;
-use crate::scheduler::{Decision, PickError, PickRequest, PromptHashes, Scheduler};
+use crate::scheduler::{Decision, Gate, PickError, PickRequest, PromptHashes, Scheduler};
 use crate::sight::UsageTap;
 use crate::state::{Live, State};
 use crate::tokenize::{self, Prompt};
@@ -476,7 +477,7 @@ async fn forward(
     if let Ok(v) = HeaderValue::from_str(request_id) {
         headers.insert(REQUEST_ID, v);
     }
-    let req = Prepared {
+    let req = Arc::new(Prepared {
         kind,
         cache_salt: parsed.cache_salt,
         model,
@@ -488,7 +489,7 @@ async fn forward(
             && in_headers.get(DEBUG).is_some_and(|v| v.as_bytes() == b"1"),
         deadline,
         started,
-    };
+    });
 
     let mut attempt = Attempt::first(pool);
     loop {
@@ -510,12 +511,12 @@ fn prompt_mode(prompt: &Prompt) -> &'static str {
 async fn try_once<'a>(
     state: &Arc<State>,
     live: &'a Live,
-    req: &Prepared,
+    req: &Arc<Prepared>,
     attempt: &Attempt<'a>,
     route: &mut Route,
 ) -> Result<Step<'a>, ApiError> {
     route.set(attempt.pool, "");
-    let Placed { decision, pool } = pick(state, live, req, attempt)?;
+    let Placed { decision, pool } = admit(state, live, req, attempt).await?;
     route.set(pool, &decision.pod);
     let done = Done {
         state: state.clone(),
@@ -602,13 +603,53 @@ struct Placed<'a> {
     pool: Option<&'a PoolConfig>,
 }
 
+/// Picks for the attempt. The first attempt of a request passes flow control when it is on
+/// ([`flow`]): it may wait in this replica's queue, or be answered 429 at once; a retry was
+/// admitted with its first attempt.
+async fn admit<'a>(
+    state: &Arc<State>,
+    live: &'a Live,
+    req: &Arc<Prepared>,
+    attempt: &Attempt<'a>,
+) -> Result<Placed<'a>, ApiError> {
+    if !live.config.flow_control.enabled || !attempt.spent.is_empty() {
+        return pick(state, live, req, attempt, None);
+    }
+    let (prepared, pool) = (req.clone(), attempt.pool.map(|p| p.name.clone()));
+    // Run when the request leaves the queue, in the config of that moment.
+    let try_pick: flow::TryPick = Box::new(move |state, live, gate| {
+        let pool = pool.as_deref().and_then(|n| live.config.pool(n));
+        let placed = pick(state, live, &prepared, &Attempt::first(pool), Some(gate))?;
+        Ok(flow::Admitted {
+            decision: placed.decision,
+            pool: placed.pool.map(|p| p.name.clone()),
+            picked_at: Instant::now(),
+        })
+    });
+    let ticket = flow::Ticket {
+        model: &req.model,
+        headers: &req.headers,
+        prompt_tokens: u32::try_from(req.prompt.tokens.len()).unwrap_or(u32::MAX),
+        body: &req.body,
+        deadline: req.deadline,
+    };
+    let a = flow::admit(state, live, ticket, try_pick).await?;
+    let pool = a.pool.as_deref().and_then(|n| live.config.pool(n));
+    Ok(Placed {
+        decision: a.decision,
+        pool,
+    })
+}
+
 /// Picks in the attempt's pool; a prompt too long for it goes to the pool's fallback, or —
-/// without one — to a pod anyway, so the client gets vLLM's own 400 text.
+/// without one — to a pod anyway, so the client gets vLLM's own 400 text. With a wait budget
+/// (flow control's gate), [`ApiError::OverBudget`] when no pod can take the request within it.
 fn pick<'a>(
     state: &State,
     live: &'a Live,
     prepared: &Prepared,
     attempt: &Attempt<'a>,
+    gate: Option<Gate>,
 ) -> Result<Placed<'a>, ApiError> {
     let mut pool = attempt.pool;
     let mut hopped = false;
@@ -621,9 +662,10 @@ fn pick<'a>(
             cache_salt: prepared.cache_salt.as_deref(),
             exclude: &attempt.exclude,
         };
-        match run_pick(state, live, &req) {
+        match run_pick(state, live, &req, gate) {
             Ok(decision) => return Ok(Placed { decision, pool }),
             Err(PickError::NoReadyPod(m)) => return Err(ApiError::NoReadyPod(m)),
+            Err(PickError::OverBudget { wait_s }) => return Err(ApiError::OverBudget { wait_s }),
             Err(PickError::TooLong { .. }) => {
                 let fb = pool
                     .and_then(|p| p.fallback.as_deref())
@@ -641,9 +683,12 @@ fn pick<'a>(
                             tokens: None,
                             ..req
                         };
-                        return run_pick(state, live, &req)
+                        return run_pick(state, live, &req, gate)
                             .map(|decision| Placed { decision, pool })
-                            .map_err(|e| ApiError::NoReadyPod(e.to_string()));
+                            .map_err(|e| match e {
+                                PickError::OverBudget { wait_s } => ApiError::OverBudget { wait_s },
+                                e => ApiError::NoReadyPod(e.to_string()),
+                            });
                     }
                 }
             }
@@ -651,7 +696,12 @@ fn pick<'a>(
     }
 }
 
-fn run_pick(state: &State, live: &Live, req: &PickRequest<'_>) -> Result<Decision, PickError> {
+fn run_pick(
+    state: &State,
+    live: &Live,
+    req: &PickRequest<'_>,
+    gate: Option<Gate>,
+) -> Result<Decision, PickError> {
     let t = Instant::now();
     // Hashing happens between two short holds of the registry lock, not under it: the pods'
     // shapes rarely change in between, and the pick computes what a newcomer needs.
@@ -659,8 +709,15 @@ fn run_pick(state: &State, live: &Live, req: &PickRequest<'_>) -> Result<Decisio
     let mut hashes = PromptHashes::new(&plan, req.tokens);
     let result = {
         let mut reg = state.registry();
-        live.scheduler
-            .pick_prepared(&mut reg, req, &mut hashes, Instant::now())
+        match gate {
+            None => live
+                .scheduler
+                .pick_prepared(&mut reg, req, &mut hashes, Instant::now()),
+            Some(gate) => {
+                live.scheduler
+                    .pick_within(&mut reg, req, &mut hashes, Instant::now(), gate)
+            }
+        }
     };
     state
         .metrics

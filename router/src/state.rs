@@ -50,6 +50,8 @@ pub struct State {
     /// operator turns it on: the header shows scores and pod names).
     decision_header: AtomicBool,
     pub tokenizers: Tokenizers,
+    /// Flow control's queue ([`crate::flow`]); idle while `flowControl.enabled` is off.
+    pub flow: crate::flow::FlowControl,
     /// This replica's name, sent to sidecars in `Welcome`.
     pub router_id: String,
     /// Set when shutdown began: `/ready` answers 503 and new requests are refused.
@@ -86,6 +88,8 @@ impl State {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ u64::from(std::process::id()).rotate_left(32);
+        let registry = Registry::new();
+        let flow = crate::flow::FlowControl::new(registry.changes());
         let metrics = Metrics::new();
         let bodies = BodyBudget::new(metrics.inflight_body_bytes.clone());
         let heavy = Heavy::new(
@@ -95,7 +99,8 @@ impl State {
             metrics.heavy_jobs_running.clone(),
         );
         Ok(Arc::new(State {
-            registry: Mutex::new(Registry::new()),
+            registry: Mutex::new(registry),
+            flow,
             live: RwLock::new(Arc::new(Live::new(config))),
             client,
             metrics,
@@ -128,6 +133,8 @@ impl State {
     pub fn swap_config(&self, config: RouterConfig) {
         let live = Arc::new(Live::new(config));
         *self.live.write().unwrap_or_else(|e| e.into_inner()) = live;
+        // Queued requests are picked under the new budgets (or all let go if it turned off).
+        self.flow.kick();
     }
 
     /// Turns the `x-kvsight-decision` answer to `x-kvsight-debug: 1` on or off.

@@ -261,6 +261,12 @@ async fn every_dashboard_metric_is_exported() {
     r.sight("pod", 16, 16);
     r.sidecar_refused("version");
     r.refused("body_bytes");
+    r.flow.joined_queue("batch", "t");
+    r.flow
+        .waited("batch", "t", std::time::Duration::from_millis(5));
+    r.flow.shed("batch", "queue_full");
+    r.flow.admitted("batch", "queued");
+    r.flow.abandoned("batch");
     let s = &pod.sidecar().shared.metrics;
     s.count_event("BlockStored");
     s.count_replay("recovered");

@@ -147,13 +147,28 @@ pub enum MatchUse {
     Relative,
 }
 
+/// Flow control's admission gate for [`Scheduler::pick_within`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gate {
+    /// Seconds a pod may be predicted to make the request wait before its prefill starts; an
+    /// infinite budget is no gate at all.
+    pub wait_budget_s: f64,
+    /// The request may use the KV headroom `kvThreshold` keeps (flow control grants it to
+    /// tenants within their fair share, so a burst of one tenant cannot fill it).
+    pub kv_headroom: bool,
+}
+
 /// Why no pod was picked.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PickError {
     #[error("no ready pod serves model {0:?}")]
     NoReadyPod(String),
     #[error("the prompt ({prompt_tokens} tokens) does not fit the context window of any ready pod")]
     TooLong { prompt_tokens: u32 },
+    /// [`Scheduler::pick_within`]: no pod can take the request within the budget (`wait_s` is
+    /// the shortest predicted wait among the pods that compete). Nothing was recorded.
+    #[error("every pod is predicted to make the request wait {wait_s:.3} s, over its budget")]
+    OverBudget { wait_s: f64 },
 }
 
 /// The explanation of a pick.
@@ -273,6 +288,25 @@ impl Scheduler {
         self.pick_ranked_by(reg, req, hashes, now, Self::rank)
     }
 
+    /// [`Self::pick_prepared`] as flow control's admission ([`crate::flow`]): only the pods
+    /// that can take the request now compete — free by the saturation rule (nothing waiting, a
+    /// sequence slot, KV use with the prompt within `kvThreshold`: the headroom running
+    /// requests need to grow without preemption) and predicted to start its prefill within
+    /// the gate's `wait_budget_s` seconds (the predicted time to first token less the
+    /// request's own prefill, which no choice of pod shortens); with `kv_headroom`, a pod whose
+    /// KV use the prompt takes past `kvThreshold` (but not past the whole cache) counts too. Among them the scorers decide as in
+    /// [`Self::pick_prepared`]; with none, [`PickError::OverBudget`] and nothing is recorded.
+    pub fn pick_within<'r>(
+        &self,
+        reg: &mut Registry,
+        req: &PickRequest<'r>,
+        hashes: &mut PromptHashes<'r>,
+        now: Instant,
+        gate: Gate,
+    ) -> Result<Decision, PickError> {
+        self.pick_gated(reg, req, hashes, now, Self::rank, Some(gate))
+    }
+
     /// [`Self::pick_prepared`] with the ranking of the open candidates given: the unit tests swap
     /// in the plain one (every match computed, then sorted) as the reference.
     ///
@@ -286,6 +320,19 @@ impl Scheduler {
         m: &mut PromptHashes<'r>,
         now: Instant,
         rank: RankFn,
+    ) -> Result<Decision, PickError> {
+        self.pick_gated(reg, req, m, now, rank, None)
+    }
+
+    /// The pick itself; `gate` is [`Self::pick_within`]'s.
+    fn pick_gated<'r>(
+        &self,
+        reg: &mut Registry,
+        req: &PickRequest<'r>,
+        m: &mut PromptHashes<'r>,
+        now: Instant,
+        rank: RankFn,
+        gate: Option<Gate>,
     ) -> Result<Decision, PickError> {
         let seed = Self::seed(reg, req);
         m.keep_only_for(seed, req.tokens);
@@ -321,6 +368,34 @@ impl Scheduler {
             all_saturated,
             least_request,
         } = open_set(&ctx, cands, m);
+        // An infinite budget is no gate (flow control turned off with requests still queued).
+        if let Some(Gate {
+            wait_budget_s: budget,
+            kv_headroom,
+        }) = gate.filter(|g| g.wait_budget_s.is_finite())
+        {
+            // Flow control's gate: only pods that can start the request within the budget
+            // compete; with none, nothing is recorded and the request waits.
+            let mut soonest = f64::INFINITY;
+            for c in open.iter_mut() {
+                m.resolve(c, req, now);
+            }
+            open.retain(|c| {
+                let wait = (saturation::predicted_ttft(&ctx, c)
+                    - saturation::own_prefill_s(&ctx, c))
+                .max(0.0);
+                soonest = soonest.min(wait);
+                let room = match saturation::pressure(&ctx, c) {
+                    Pressure::Free => true,
+                    Pressure::Tight => kv_headroom,
+                    Pressure::Busy | Pressure::Full => false,
+                };
+                room && wait <= budget
+            });
+            if open.is_empty() {
+                return Err(PickError::OverBudget { wait_s: soonest });
+            }
+        }
         // A new prefix is placed where it will have room to stay: see `scorers::affinity`.
         if homes_on && !homed && open.len() > 1 && open.iter().all(|c| c.chain_len > 0) {
             mark_room(&ctx, reg, &mut open, m);
