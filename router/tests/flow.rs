@@ -228,12 +228,7 @@ async fn a_full_queue_answers_429_with_retry_after_at_once() {
     assert!(text.contains("higher priority"), "{text}");
     s.report(0);
     all_ok(vec![hi]).await;
-    let metrics = reqwest::get(format!("{}/metrics", s.router))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = s.st.metrics.render(&s.st.registry(), &[], Instant::now());
     for line in [
         r#"kvsight_router_flow_shed_total{class="lo",reason="queue_full"} 1"#,
         r#"kvsight_router_flow_shed_total{class="lo",reason="displaced"} 1"#,
