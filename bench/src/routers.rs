@@ -151,15 +151,20 @@ pub fn flow_config(time_scale: f64) -> String {
         "flowControl:\n  enabled: true\n  classes:\n    \
          - {{name: interactive, priority: 2, ttftBudgetSeconds: {}, maxWaitSeconds: {}}}\n    \
          - {{name: standard, priority: 1, ttftBudgetSeconds: {}, maxWaitSeconds: {}}}\n    \
-         - {{name: batch, priority: 0, ttftBudgetSeconds: {}, maxWaitSeconds: {}}}\n",
+         - {{name: batch, priority: 0, ttftBudgetSeconds: {}, maxWaitSeconds: {}, \
+         kvCeiling: {}}}\n",
         s(FLOW_WAIT_BUDGET_S),
         s(2.0),
         s(FLOW_WAIT_BUDGET_S),
         s(30.0),
         s(FLOW_WAIT_BUDGET_S),
         s(600.0),
+        FLOW_BATCH_KV_CEILING,
     )
 }
+
+/// kvsight-flow's `kvCeiling` for batch, the router's default one.
+pub const FLOW_BATCH_KV_CEILING: f64 = 0.7;
 
 /// kvsight-flow's `ttftBudgetSeconds`, simulated seconds.
 pub const FLOW_WAIT_BUDGET_S: f64 = 0.05;

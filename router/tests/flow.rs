@@ -10,7 +10,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvsight_protocol::messages::Phase;
+use kvsight_protocol::messages::{Load, Phase};
 use kvsight_router::State;
 use kvsight_router::config::RouterConfig;
 use kvsight_router::pods::ConnId;
@@ -67,14 +67,21 @@ impl Setup {
     /// The pod reports `waiting` requests (none of this router's): with any waiting, no pod
     /// can start a request at once and the gate is closed.
     fn report(&self, waiting: u32) {
+        self.report_load(load(Phase::Ready, 0, waiting));
+    }
+
+    /// The pod reports nothing waiting and its KV cache `kv_usage` full.
+    fn report_kv(&self, kv_usage: f32) {
+        self.report_load(Load {
+            kv_usage,
+            ..load(Phase::Ready, 0, 0)
+        });
+    }
+
+    fn report_load(&self, l: Load) {
         self.st
             .registry()
-            .apply_load(
-                &self.key,
-                self.conn,
-                load(Phase::Ready, 0, waiting),
-                Instant::now(),
-            )
+            .apply_load(&self.key, self.conn, l, Instant::now())
             .unwrap();
     }
 
@@ -151,6 +158,32 @@ async fn a_higher_priority_leaves_the_queue_first() {
     all_ok(tasks).await;
     let order = done.lock().unwrap().clone();
     assert_eq!(order, ["hi0", "hi1", "hi2", "lo0", "lo1", "lo2"]);
+}
+
+#[tokio::test]
+async fn a_class_over_its_kv_ceiling_waits_while_a_higher_one_goes() {
+    let cfg = "
+flowControl:
+  enabled: true
+  defaultClass: lo
+  classes:
+    - {name: hi, priority: 5, ttftBudgetSeconds: 60, maxWaitSeconds: 60}
+    - {name: lo, priority: 0, ttftBudgetSeconds: 60, maxWaitSeconds: 60, kvCeiling: 0.5}
+";
+    let s = Setup::new(config_yaml(cfg)).await;
+    // Free by every other measure (nothing waiting, under kvThreshold), but over lo's ceiling.
+    s.report_kv(0.6);
+    let done = Arc::new(Mutex::new(Vec::new()));
+    let lo = s.send("lo", &[], 4, &done);
+    s.wait_queued(1).await;
+    let hi = s.send("hi", &[("x-kvsight-priority", "hi")], 4, &done);
+    all_ok(vec![hi]).await;
+    assert_eq!(s.st.flow.queued(), 1, "lo still waits under its ceiling");
+    // The cache drains: lo leaves on the report.
+    s.report_kv(0.3);
+    all_ok(vec![lo]).await;
+    assert_eq!(*done.lock().unwrap(), ["hi", "lo"]);
+    assert_eq!(s.st.flow.queued(), 0);
 }
 
 #[tokio::test]

@@ -62,7 +62,19 @@ pub struct ClassConfig {
     /// is answered 429 at once, and one still queued after it is answered 429 then. Default 5 s.
     #[serde(default = "default_max_wait")]
     pub max_wait_seconds: f64,
+    /// A pod may take a request of this class only while its KV cache, with the prompt, stays
+    /// at or under this fraction full. Below `saturation.kvThreshold` it keeps the rest of the
+    /// cache for higher classes: running requests grow their KV as they decode, and what a
+    /// batch request holds cannot be taken back when an interactive one arrives. The ceiling
+    /// that applies is the smallest of this class's and every higher class's. Default: none
+    /// of its own (only `kvThreshold`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_ceiling: Option<f64>,
 }
+
+/// The default `batch` class's `kvCeiling`: a fifth of the cache under the default
+/// `kvThreshold` stays for interactive and standard requests (docs/decisions/0300).
+pub const DEFAULT_BATCH_KV_CEILING: f64 = 0.7;
 
 fn default_ttft_budget() -> f64 {
     0.5
@@ -91,6 +103,7 @@ impl Default for FlowControlConfig {
             priority,
             ttft_budget_seconds,
             max_wait_seconds,
+            kv_ceiling: None,
         };
         FlowControlConfig {
             enabled: false,
@@ -102,7 +115,10 @@ impl Default for FlowControlConfig {
             classes: vec![
                 class("interactive", 2, 0.5, 5.0),
                 class("standard", 1, 0.5, 30.0),
-                class("batch", 0, 0.5, 300.0),
+                ClassConfig {
+                    kv_ceiling: Some(DEFAULT_BATCH_KV_CEILING),
+                    ..class("batch", 0, 0.5, 300.0)
+                },
             ],
             rules: Vec::new(),
         }
@@ -128,6 +144,16 @@ impl FlowControlConfig {
             .filter(|c| c.priority > class.priority)
             .map(|c| c.ttft_budget_seconds)
             .fold(class.ttft_budget_seconds, f64::min)
+    }
+
+    /// The KV ceiling that applies to `class` (see [`ClassConfig::kv_ceiling`]); 1 for none.
+    pub fn effective_kv_ceiling(&self, class: &ClassConfig) -> f64 {
+        self.classes
+            .iter()
+            .filter(|c| c.priority > class.priority)
+            .chain(std::iter::once(class))
+            .filter_map(|c| c.kv_ceiling)
+            .fold(1.0, f64::min)
     }
 
     /// Every rule of the section; field names are given from the file's root.
@@ -169,6 +195,14 @@ impl FlowControlConfig {
                         format!("must be a number of seconds >= 0, got {v}"),
                     ));
                 }
+            }
+            if let Some(v) = c.kv_ceiling
+                && !(v > 0.0 && v <= 1.0)
+            {
+                return Err(invalid(
+                    format!("{field}.kvCeiling"),
+                    format!("must be a fraction of the KV cache in (0, 1], got {v}"),
+                ));
             }
         }
         if self.class(&self.default_class).is_none() {
@@ -236,6 +270,25 @@ mod tests {
     }
 
     #[test]
+    fn a_lower_class_gets_no_higher_kv_ceiling_than_a_higher_one() {
+        let c = RouterConfig::from_yaml(
+            "flowControl:\n  enabled: true\n  defaultClass: hi\n  classes:\n    - {name: hi, priority: 5}\n    - {name: mid, priority: 3, kvCeiling: 0.6}\n    - {name: lo, priority: 1, kvCeiling: 0.8}\n",
+        )
+        .unwrap();
+        let f = &c.flow_control;
+        let k = |n: &str| f.effective_kv_ceiling(f.class(n).unwrap());
+        assert_eq!(k("hi"), 1.0);
+        assert_eq!(k("mid"), 0.6);
+        assert_eq!(k("lo"), 0.6);
+        let d = RouterConfig::from_yaml("{}").unwrap().flow_control;
+        assert_eq!(
+            d.effective_kv_ceiling(d.class("batch").unwrap()),
+            super::DEFAULT_BATCH_KV_CEILING
+        );
+        assert_eq!(d.effective_kv_ceiling(d.class("interactive").unwrap()), 1.0);
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let cases = [
             (
@@ -260,6 +313,14 @@ mod tests {
                 "flowControl.rules[0].class",
             ),
             ("flowControl: {rules: [{model: m}]}", "flowControl.rules[0]"),
+            (
+                "flowControl: {classes: [{name: a, kvCeiling: 0}], defaultClass: a}",
+                "flowControl.classes[0].kvCeiling",
+            ),
+            (
+                "flowControl: {classes: [{name: a, kvCeiling: 1.5}], defaultClass: a}",
+                "flowControl.classes[0].kvCeiling",
+            ),
         ];
         for (text, field) in cases {
             let err = RouterConfig::from_yaml(text).unwrap_err().to_string();

@@ -220,13 +220,13 @@ impl FlowControl {
         kv_headroom: bool,
     ) -> bool {
         let Some(entry) = q.get(id) else { return false };
-        let gate = Gate {
-            wait_budget_s: if cfg.enabled {
-                budget_of(cfg, &entry.payload.class)
-            } else {
-                f64::INFINITY
-            },
-            kv_headroom,
+        // The default class's gate when a reload removed the request's class.
+        let class = cfg
+            .class(&entry.payload.class)
+            .or_else(|| cfg.class(&cfg.default_class));
+        let gate = match class {
+            Some(c) if cfg.enabled => gate_of(cfg, c, kv_headroom),
+            _ => Gate::OPEN,
         };
         let result = (entry.payload.try_pick)(state, live, gate);
         if matches!(result, Err(ApiError::OverBudget { .. })) {
@@ -283,11 +283,13 @@ impl Drop for QueueGuard<'_> {
     }
 }
 
-/// The budget of the class named `class` (the default class's when a reload removed it).
-fn budget_of(cfg: &FlowControlConfig, class: &str) -> f64 {
-    cfg.class(class)
-        .or_else(|| cfg.class(&cfg.default_class))
-        .map_or(f64::INFINITY, |c| cfg.effective_budget(c))
+/// The gate a request of `class` passes: its effective budget and KV ceiling.
+fn gate_of(cfg: &FlowControlConfig, class: &ClassConfig, kv_headroom: bool) -> Gate {
+    Gate {
+        wait_budget_s: cfg.effective_budget(class),
+        kv_headroom,
+        kv_ceiling: cfg.effective_kv_ceiling(class),
+    }
 }
 
 /// A pick that nobody will send: counted as finished at once.
@@ -383,13 +385,8 @@ pub async fn admit(
     let Classified { class, tenant } = classify(cfg, t.model, t.headers);
     let Some(class_cfg) = cfg.class(&class) else {
         // `classify` only returns configured classes.
-        let gate = Gate {
-            wait_budget_s: f64::INFINITY,
-            kv_headroom: true,
-        };
-        return try_pick(state, live, gate);
+        return try_pick(state, live, Gate::OPEN);
     };
-    let budget = cfg.effective_budget(class_cfg);
     let cost =
         u64::from(t.prompt_tokens) + max_output_tokens(t.body).unwrap_or(DEFAULT_OUTPUT_TOKENS);
     let bytes = t.body.len() + 4 * t.prompt_tokens as usize;
@@ -398,10 +395,7 @@ pub async fn admit(
         let mut q = state.flow.queue();
         let now = TokioInstant::now();
         if q.lane_len(t.model) == 0 {
-            let gate = Gate {
-                wait_budget_s: budget,
-                kv_headroom: q.within_share(t.model, &tenant, now),
-            };
+            let gate = gate_of(cfg, class_cfg, q.within_share(t.model, &tenant, now));
             match try_pick(state, live, gate) {
                 Err(ApiError::OverBudget { .. }) => {}
                 other => {

@@ -156,6 +156,18 @@ pub struct Gate {
     /// The request may use the KV headroom `kvThreshold` keeps (flow control grants it to
     /// tenants within their fair share, so a burst of one tenant cannot fill it).
     pub kv_headroom: bool,
+    /// The most of a pod's KV cache the request may fill, with its prompt (1: no ceiling of
+    /// its own); flow control keeps a lower class under it so higher ones find room.
+    pub kv_ceiling: f64,
+}
+
+impl Gate {
+    /// No gate: what flow control turned off or an unclassified request gets.
+    pub const OPEN: Gate = Gate {
+        wait_budget_s: f64::INFINITY,
+        kv_headroom: true,
+        kv_ceiling: 1.0,
+    };
 }
 
 /// Why no pod was picked.
@@ -372,6 +384,7 @@ impl Scheduler {
         if let Some(Gate {
             wait_budget_s: budget,
             kv_headroom,
+            kv_ceiling,
         }) = gate.filter(|g| g.wait_budget_s.is_finite())
         {
             // Flow control's gate: only pods that can start the request within the budget
@@ -385,12 +398,7 @@ impl Scheduler {
                     - saturation::own_prefill_s(&ctx, c))
                 .max(0.0);
                 soonest = soonest.min(wait);
-                let room = match saturation::pressure(&ctx, c) {
-                    Pressure::Free => true,
-                    Pressure::Tight => kv_headroom,
-                    Pressure::Busy | Pressure::Full => false,
-                };
-                room && wait <= budget
+                wait <= budget && saturation::gate_room(&ctx, c, kv_headroom, kv_ceiling)
             });
             if open.is_empty() {
                 return Err(PickError::OverBudget { wait_s: soonest });

@@ -122,12 +122,29 @@ pub enum Pressure {
     Full,
 }
 
+/// The pod's projected KV use, as a fraction of its cache, once the prompt's new blocks are in.
+pub fn kv_after(c: &Candidate<'_>) -> f64 {
+    let blocks = c.pod.hello.engine.num_gpu_blocks.max(1) as f64;
+    c.projection.kv_usage + f64::from(c.new_blocks) / blocks
+}
+
+/// Flow control's room test: the pod is free by [`pressure`] (or only tight, with
+/// `kv_headroom`) and its KV use with the prompt stays under `kv_ceiling`.
+pub fn gate_room(ctx: &Ctx<'_>, c: &Candidate<'_>, kv_headroom: bool, kv_ceiling: f64) -> bool {
+    let room = match pressure(ctx, c) {
+        Pressure::Free => true,
+        Pressure::Tight => kv_headroom,
+        Pressure::Busy | Pressure::Full => false,
+    };
+    room && kv_after(c) <= kv_ceiling
+}
+
 /// Classifies the candidate on its match as it stands (a bound until resolved: nothing cached,
 /// the most blocks the prompt can add, so `Free` on the bound is `Free` on the real match).
 pub fn pressure(ctx: &Ctx<'_>, c: &Candidate<'_>) -> Pressure {
     let engine = &c.pod.hello.engine;
     let p = &c.projection;
-    let kv_after = p.kv_usage + f64::from(c.new_blocks) / engine.num_gpu_blocks.max(1) as f64;
+    let kv_after = kv_after(c);
     if kv_after > 1.0 {
         Pressure::Full
     } else if kv_after > ctx.cfg.saturation.kv_threshold {
