@@ -325,6 +325,21 @@ fn chat_body(tok: &ModelTokenizer, msgs: &[(&str, &str)], max_tokens: u32, key: 
     }
 }
 
+/// A chat's messages: the system prompt, the (user, answer) turns so far, the user's new turn.
+fn conversation<'a>(
+    system: &'a str,
+    history: &'a [(String, String)],
+    user: &'a str,
+) -> Vec<(&'a str, &'a str)> {
+    let mut msgs = vec![("system", system)];
+    for (u, a) in history {
+        msgs.push(("user", u.as_str()));
+        msgs.push(("assistant", a.as_str()));
+    }
+    msgs.push(("user", user));
+    msgs
+}
+
 /// One workload's requests and what they share, before the cache is sized for them.
 struct Generated {
     bodies: Vec<Body>,
@@ -507,12 +522,7 @@ fn multi_turn(
         let (history, _, session) = &mut sessions[idx];
         let lead = format!("{}\n", question(rng));
         let user = text_of(tok, rng, cost.tokens(200), &lead);
-        let mut msgs: Vec<(&str, &str)> = vec![("system", system.as_str())];
-        for (u, a) in history.iter() {
-            msgs.push(("user", u));
-            msgs.push(("assistant", a));
-        }
-        msgs.push(("user", &user));
+        let msgs = conversation(&system, history, &user);
         let b = chat_body(tok, &msgs, cost.tokens(400), *session);
         shared = shared.max(u64::from(b.prompt_tokens));
         bodies.push(b);
@@ -559,12 +569,7 @@ fn agentic(
         }
         let lead = format!("Task: {}\n", question(rng));
         let user = text_of(tok, rng, cost.tokens(100), &lead);
-        let mut msgs: Vec<(&str, &str)> = vec![("system", tools[a].as_str())];
-        for (u, r) in &histories[s] {
-            msgs.push(("user", u));
-            msgs.push(("assistant", r));
-        }
-        msgs.push(("user", &user));
+        let msgs = conversation(&tools[a], &histories[s], &user);
         bodies.push(chat_body(tok, &msgs, cost.tokens(200), s));
         let answer = text_of(tok, rng, cost.tokens(200), "");
         histories[s].push((user, answer));
