@@ -84,14 +84,7 @@ const BODY: &str =
     r#"{"model":"m","prompt":"Hello there, general Kenobi","stream":true,"max_tokens":5}"#;
 
 async fn metrics(router: &str) -> String {
-    client()
-        .get(format!("{router}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvsight_harness::http::get_text(&client(), &format!("{router}/metrics")).await
 }
 
 /// Reads the rest of a response body, bounded in time.

@@ -228,14 +228,8 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_pod_request_aborted() {
     })
     .await;
     let running = || async {
-        let text = http()
-            .get(format!("{}/metrics", pod.base_url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text =
+            kvsight_harness::http::get_text(&http(), &format!("{}/metrics", pod.base_url())).await;
         text.lines()
             .find(|l| l.starts_with("vllm:num_requests_running"))
             .and_then(|l| l.rsplit(' ').next())
