@@ -99,6 +99,21 @@ struct Body {
     group: Option<&'static str>,
 }
 
+impl Body {
+    /// This body sent `at` into the run.
+    fn request_at(&self, at: Duration) -> Request {
+        Request {
+            at,
+            path: self.path,
+            body: self.body.clone(),
+            prompt_tokens: self.prompt_tokens,
+            key: self.key,
+            headers: self.headers.clone(),
+            group: self.group,
+        }
+    }
+}
+
 /// noisy_neighbor's shape: tenants, the noisy one's share of the calm rate, the burst.
 pub mod noisy {
     /// Tenants, the first of them noisy.
@@ -615,15 +630,7 @@ impl Workload {
                 // Exponential gaps: −ln(U) / rate, U uniform in (0, 1].
                 let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
                 t += -(1.0 - u).ln() / rate;
-                Request {
-                    at: Duration::from_secs_f64(t * time_scale),
-                    path: b.path,
-                    body: b.body.clone(),
-                    prompt_tokens: b.prompt_tokens,
-                    key: b.key,
-                    headers: b.headers.clone(),
-                    group: b.group,
-                }
+                b.request_at(Duration::from_secs_f64(t * time_scale))
             })
             .collect();
         Plan {
@@ -683,13 +690,8 @@ impl Workload {
                 let b = list[next[g] % list.len()];
                 next[g] += 1;
                 Request {
-                    at: Duration::from_secs_f64(t * time_scale),
-                    path: b.path,
-                    body: b.body.clone(),
-                    prompt_tokens: b.prompt_tokens,
-                    key: b.key,
-                    headers: b.headers.clone(),
                     group: Some(group),
+                    ..b.request_at(Duration::from_secs_f64(t * time_scale))
                 }
             })
             .collect();
