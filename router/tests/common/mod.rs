@@ -207,3 +207,13 @@ pub fn post_request(path: &str, body: &str, extra: &str) -> Vec<u8> {
     )
     .into_bytes()
 }
+
+/// `files` as the simulator takes them, to serve the same tokenizer the router reads.
+pub fn sim_tokenizer(
+    files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles,
+) -> kvsight_sim::server::TokenizerFiles {
+    kvsight_sim::server::TokenizerFiles {
+        tokenizer_json: files.tokenizer_json.clone(),
+        tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
+    }
+}
