@@ -462,12 +462,7 @@ async fn reload(routers: &[KvsightRouter], http: &reqwest::Client, variant: bool
 }
 
 async fn metrics(r: &KvsightRouter, http: &reqwest::Client) -> Result<String> {
-    Ok(http
-        .get(format!("{}/metrics", r.admin))
-        .send()
-        .await?
-        .text()
-        .await?)
+    crate::client::metrics_text(http, &r.admin).await
 }
 
 async fn applied_reloads(r: &KvsightRouter, http: &reqwest::Client) -> Result<f64> {
