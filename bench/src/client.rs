@@ -11,6 +11,16 @@ use serde_json::Value;
 
 use crate::workload::Request;
 
+/// `GET {base}/metrics`: a router's, sidecar's or engine's Prometheus exposition.
+pub async fn metrics_text(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    Ok(http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
+
 /// How clients reach several router replicas.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -606,12 +606,7 @@ pub fn split_placements(
 async fn staleness_buckets(http: &reqwest::Client, routers: &[String]) -> Result<Vec<(f64, f64)>> {
     let mut sum: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
     for router in routers {
-        let text = http
-            .get(format!("{router}/metrics"))
-            .send()
-            .await?
-            .text()
-            .await?;
+        let text = crate::client::metrics_text(http, router).await?;
         for s in kvsight_sidecar::scrape::samples(&text)? {
             if s.name == "kvsight_router_view_staleness_seconds_bucket"
                 && let Some(le) = s.labels.get("le")

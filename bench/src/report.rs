@@ -171,11 +171,7 @@ impl RunResult {
                     ttft_p50_s: quantile(&mut t, 0.5),
                     ttft_p90_s: quantile(&mut t, 0.9),
                     ttft_p99_s: quantile(&mut t, 0.99),
-                    output_tokens_per_s: if i.wall_s > 0.0 {
-                        out as f64 / (i.wall_s / scale)
-                    } else {
-                        0.0
-                    },
+                    output_tokens_per_s: per_simulated_second(out, i.wall_s, scale),
                 },
             );
         }
@@ -209,11 +205,7 @@ impl RunResult {
             ttft_p99_s: quantile(&mut ttft, 0.99),
             e2e_p50_s: quantile(&mut e2e, 0.5),
             e2e_p99_s: quantile(&mut e2e, 0.99),
-            output_tokens_per_s: if i.wall_s > 0.0 {
-                output as f64 / (i.wall_s / scale)
-            } else {
-                0.0
-            },
+            output_tokens_per_s: per_simulated_second(output, i.wall_s, scale),
             goodput: if n == 0 {
                 0.0
             } else {
@@ -334,4 +326,13 @@ pub fn markdown(runs: &[RunResult]) -> String {
         }
     }
     s
+}
+
+/// `count` over a run of `wall_s` wall seconds, per simulated second (0 for an empty run).
+fn per_simulated_second(count: u64, wall_s: f64, time_scale: f64) -> f64 {
+    if wall_s > 0.0 {
+        count as f64 / (wall_s / time_scale)
+    } else {
+        0.0
+    }
 }

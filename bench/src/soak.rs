@@ -165,7 +165,7 @@ pub async fn run(opts: &Options) -> Result<Report> {
         .build()?;
     let certs = Certs::new(&opts.out.join("certs"))?;
 
-    let mut routers: Vec<KvsightRouter> = (0..ROUTERS)
+    let routers: Vec<KvsightRouter> = (0..ROUTERS)
         .map(|i| {
             KvsightRouter::start_replica(
                 Kind::Kvsight,
@@ -189,17 +189,7 @@ pub async fn run(opts: &Options) -> Result<Report> {
         &logs,
         &quic,
     );
-    let mut pods: Vec<Option<Pod>> = Vec::new();
-    for i in 0..opts.pods {
-        pods.push(Some(Pod::start(&format!("pod-{i}"), &cfg, &http).await?));
-    }
-    for p in pods.iter_mut().flatten() {
-        p.wait_ready(&http, Duration::from_secs(60)).await?;
-    }
-    for r in &mut routers {
-        r.wait_pods(&http, opts.pods, Duration::from_secs(60))
-            .await?;
-    }
+    let mut cluster = Cluster::start(opts, cfg, http, routers).await?;
     println!(
         "soak: {} clients, {ROUTERS} routers, {} pods, time scale {}, {:.1} min (warm-up {} s)",
         opts.clients,
@@ -212,112 +202,45 @@ pub async fn run(opts: &Options) -> Result<Report> {
     let started = Instant::now();
     let end = started + total;
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let urls: Arc<[String]> = routers.iter().map(|r| r.url.clone()).collect();
-    let mut clients = tokio::task::JoinSet::new();
-    for i in 0..opts.clients {
-        // Spread the first requests over half the warm-up: a thousand cold prefills at once
-        // would measure the ramp, not the steady state.
-        let first = started + warm_up / 2 * (i as u32) / (opts.clients as u32);
-        clients.spawn(client_loop(
-            i,
-            http.clone(),
-            Arc::clone(&urls),
-            first,
-            end,
-            Arc::clone(&tally),
-        ));
-    }
+    let clients = cluster.spawn_clients(opts.clients, started, warm_up, end, &tally);
 
     // After the warm-up: the baseline of every long-lived process.
     tokio::time::sleep_until((started + warm_up).into()).await;
-    // The last two pods leave and join; the others keep their sidecar for the whole run.
-    let stable = opts.pods - 2;
-    let watched = |routers: &[KvsightRouter], pods: &[Option<Pod>]| -> Vec<(String, Sample)> {
-        let mut v: Vec<(String, Sample)> = routers
-            .iter()
-            .map(|r| (r.proc.name.clone(), Sample::of(&r.proc)))
-            .collect();
-        for p in pods[..stable].iter().flatten() {
-            if let Some(s) = &p.sidecar {
-                v.push((s.name.clone(), Sample::of(s)));
-            }
-        }
-        v
-    };
-    let baseline = watched(&routers, &pods);
+    let baseline = cluster.watched();
     let mut timeline: Vec<(f64, Vec<(String, Sample)>)> =
         vec![(started.elapsed().as_secs_f64(), baseline.clone())];
-
-    // Injected events, one every EVENT_EVERY, until one interval before the end.
-    let mut events = Vec::new();
-    let mut crashes = Vec::new();
-    let mut step = 0usize;
-    let mut out: Option<usize> = None;
-    let mut config_variant = false;
-    while Instant::now() + EVENT_EVERY < end {
-        let began = Instant::now();
-        let t = started.elapsed().as_secs_f64();
-        let what = match step % 4 {
-            0 => {
-                let k = (step / 4) % stable;
-                let pod = pods[k].as_mut().context("a stable pod is out")?;
-                let from = Instant::now();
-                pod.crash_and_restart_sim(&cfg, &http)
-                    .await
-                    .with_context(|| format!("restarting {}", pod.name))?;
-                let to = Instant::now();
-                crashes.push(Crash {
-                    pod: format!("bench/{}", pod.name),
-                    from,
-                    to,
-                });
-                format!("{t:.0}s crash+restart engine of pod-{k}")
-            }
-            1 => {
-                config_variant = !config_variant;
-                reload(&routers, &http, config_variant).await?;
-                format!(
-                    "{t:.0}s config reload (variant {})",
-                    u8::from(config_variant)
-                )
-            }
-            2 => {
-                let j = stable + (step / 4) % 2;
-                let pod = pods[j].take().context("the leaving pod is out")?;
-                pod.leave(&http, REQUEST_TIMEOUT).await?;
-                out = Some(j);
-                format!("{t:.0}s pod-{j} left")
-            }
-            _ => {
-                let j = out.take().context("no pod is out")?;
-                pods[j] = Some(join(j, &cfg, &http).await?);
-                format!("{t:.0}s pod-{j} joined")
-            }
-        };
-        println!("soak: {what}");
-        events.push(what);
-        timeline.push((started.elapsed().as_secs_f64(), watched(&routers, &pods)));
-        step += 1;
-        // Spaced from this event's start: a leave waits for the engine's streams to end (~25 s)
-        // and the events after it must not then fire back to back.
-        tokio::time::sleep_until((began + EVENT_EVERY).max(Instant::now()).into()).await;
-    }
-    if let Some(j) = out.take() {
-        pods[j] = Some(join(j, &cfg, &http).await?);
-        events.push(format!(
-            "{:.0}s pod-{j} joined",
-            started.elapsed().as_secs_f64()
-        ));
-    }
+    let faults = cluster.inject_faults(started, end, &mut timeline).await?;
     tokio::time::sleep_until(end.into()).await;
     // Under the same load as the baseline: clients are still streaming.
-    let last = watched(&routers, &pods);
+    let last = cluster.watched();
     timeline.push((started.elapsed().as_secs_f64(), last.clone()));
     let mut buckets = Vec::new();
-    for r in &routers {
-        buckets.push(added_latency_buckets(&metrics(r, &http).await?));
+    for r in &cluster.routers {
+        buckets.push(added_latency_buckets(&metrics(r, &cluster.http).await?));
     }
-    // Clients send nothing after `end`; what is in flight finishes (bounded by its timeout).
+    drain(clients).await?;
+
+    let tally = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
+    let report = judge(
+        opts,
+        &tally,
+        &faults.crashes,
+        faults.events,
+        &baseline,
+        &last,
+        &timeline,
+        &buckets,
+    );
+    cluster.stop().await;
+    std::fs::write(
+        opts.out.join("soak.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    Ok(report)
+}
+
+/// Clients send nothing after `end`; what is in flight finishes (bounded by its timeout).
+async fn drain(mut clients: tokio::task::JoinSet<()>) -> Result<()> {
     let drained = tokio::time::timeout(REQUEST_TIMEOUT + Duration::from_secs(10), async {
         while clients.join_next().await.is_some() {}
     })
@@ -326,22 +249,181 @@ pub async fn run(opts: &Options) -> Result<Report> {
         clients.abort_all();
         bail!("clients did not finish within their request timeout");
     }
+    Ok(())
+}
 
-    let tally = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
-    let report = judge(
-        opts, &tally, &crashes, events, &baseline, &last, &timeline, &buckets,
-    );
-    for p in pods.into_iter().flatten() {
-        p.stop().await;
+/// The soak's routers and pods, and the client that reaches them.
+struct Cluster<'a> {
+    cfg: PodsConfig<'a>,
+    http: reqwest::Client,
+    routers: Vec<KvsightRouter>,
+    /// `None` while a pod is out.
+    pods: Vec<Option<Pod>>,
+    /// Pods below this index keep their sidecar for the whole run; the last two leave and join.
+    stable: usize,
+}
+
+/// The injected events so far, and the state the next one starts from.
+#[derive(Default)]
+struct Faults {
+    events: Vec<String>,
+    crashes: Vec<Crash>,
+    /// The pod that left and has not joined again.
+    out: Option<usize>,
+    config_variant: bool,
+}
+
+impl<'a> Cluster<'a> {
+    /// Starts `opts.pods` pods and waits until each is ready and every router routes to all.
+    async fn start(
+        opts: &Options,
+        cfg: PodsConfig<'a>,
+        http: reqwest::Client,
+        mut routers: Vec<KvsightRouter>,
+    ) -> Result<Cluster<'a>> {
+        let mut pods: Vec<Option<Pod>> = Vec::new();
+        for i in 0..opts.pods {
+            pods.push(Some(Pod::start(&format!("pod-{i}"), &cfg, &http).await?));
+        }
+        for p in pods.iter_mut().flatten() {
+            p.wait_ready(&http, Duration::from_secs(60)).await?;
+        }
+        for r in &mut routers {
+            r.wait_pods(&http, opts.pods, Duration::from_secs(60))
+                .await?;
+        }
+        Ok(Cluster {
+            cfg,
+            http,
+            routers,
+            pods,
+            stable: opts.pods - 2,
+        })
     }
-    for r in routers {
-        r.proc.stop(Duration::from_secs(3)).await;
+
+    fn spawn_clients(
+        &self,
+        n: usize,
+        started: Instant,
+        warm_up: Duration,
+        end: Instant,
+        tally: &Arc<Mutex<Tally>>,
+    ) -> tokio::task::JoinSet<()> {
+        let urls: Arc<[String]> = self.routers.iter().map(|r| r.url.clone()).collect();
+        let mut clients = tokio::task::JoinSet::new();
+        for i in 0..n {
+            // Spread the first requests over half the warm-up: a thousand cold prefills at once
+            // would measure the ramp, not the steady state.
+            let first = started + warm_up / 2 * (i as u32) / (n as u32);
+            clients.spawn(client_loop(
+                i,
+                self.http.clone(),
+                Arc::clone(&urls),
+                first,
+                end,
+                Arc::clone(tally),
+            ));
+        }
+        clients
     }
-    std::fs::write(
-        opts.out.join("soak.json"),
-        serde_json::to_string_pretty(&report)?,
-    )?;
-    Ok(report)
+
+    /// The figures of every process that lives for the whole run.
+    fn watched(&self) -> Vec<(String, Sample)> {
+        let mut v: Vec<(String, Sample)> = self
+            .routers
+            .iter()
+            .map(|r| (r.proc.name.clone(), Sample::of(&r.proc)))
+            .collect();
+        for p in self.pods[..self.stable].iter().flatten() {
+            if let Some(s) = &p.sidecar {
+                v.push((s.name.clone(), Sample::of(s)));
+            }
+        }
+        v
+    }
+
+    /// Injected events, one every EVENT_EVERY, until one interval before the end; a sample of
+    /// the watched processes after each.
+    async fn inject_faults(
+        &mut self,
+        started: Instant,
+        end: Instant,
+        timeline: &mut Vec<(f64, Vec<(String, Sample)>)>,
+    ) -> Result<Faults> {
+        let mut faults = Faults::default();
+        let mut step = 0usize;
+        while Instant::now() + EVENT_EVERY < end {
+            let began = Instant::now();
+            let t = started.elapsed().as_secs_f64();
+            let what = self.inject(step, t, &mut faults).await?;
+            println!("soak: {what}");
+            faults.events.push(what);
+            timeline.push((started.elapsed().as_secs_f64(), self.watched()));
+            step += 1;
+            // Spaced from this event's start: a leave waits for the engine's streams to end
+            // (~25 s) and the events after it must not then fire back to back.
+            tokio::time::sleep_until((began + EVENT_EVERY).max(Instant::now()).into()).await;
+        }
+        if let Some(j) = faults.out.take() {
+            self.pods[j] = Some(join(j, &self.cfg, &self.http).await?);
+            faults.events.push(format!(
+                "{:.0}s pod-{j} joined",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        Ok(faults)
+    }
+
+    /// Event `step` of the cycle crash, reload, leave, join; what happened, at `t` seconds.
+    async fn inject(&mut self, step: usize, t: f64, faults: &mut Faults) -> Result<String> {
+        let (cfg, http, stable) = (&self.cfg, &self.http, self.stable);
+        Ok(match step % 4 {
+            0 => {
+                let k = (step / 4) % stable;
+                let pod = self.pods[k].as_mut().context("a stable pod is out")?;
+                let from = Instant::now();
+                pod.crash_and_restart_sim(cfg, http)
+                    .await
+                    .with_context(|| format!("restarting {}", pod.name))?;
+                let to = Instant::now();
+                faults.crashes.push(Crash {
+                    pod: format!("bench/{}", pod.name),
+                    from,
+                    to,
+                });
+                format!("{t:.0}s crash+restart engine of pod-{k}")
+            }
+            1 => {
+                faults.config_variant = !faults.config_variant;
+                reload(&self.routers, http, faults.config_variant).await?;
+                format!(
+                    "{t:.0}s config reload (variant {})",
+                    u8::from(faults.config_variant)
+                )
+            }
+            2 => {
+                let j = stable + (step / 4) % 2;
+                let pod = self.pods[j].take().context("the leaving pod is out")?;
+                pod.leave(http, REQUEST_TIMEOUT).await?;
+                faults.out = Some(j);
+                format!("{t:.0}s pod-{j} left")
+            }
+            _ => {
+                let j = faults.out.take().context("no pod is out")?;
+                self.pods[j] = Some(join(j, cfg, http).await?);
+                format!("{t:.0}s pod-{j} joined")
+            }
+        })
+    }
+
+    async fn stop(self) {
+        for p in self.pods.into_iter().flatten() {
+            p.stop().await;
+        }
+        for r in self.routers {
+            r.proc.stop(Duration::from_secs(3)).await;
+        }
+    }
 }
 
 async fn join(j: usize, cfg: &PodsConfig<'_>, http: &reqwest::Client) -> Result<Pod> {
@@ -380,12 +462,7 @@ async fn reload(routers: &[KvsightRouter], http: &reqwest::Client, variant: bool
 }
 
 async fn metrics(r: &KvsightRouter, http: &reqwest::Client) -> Result<String> {
-    Ok(http
-        .get(format!("{}/metrics", r.admin))
-        .send()
-        .await?
-        .text()
-        .await?)
+    crate::client::metrics_text(http, &r.admin).await
 }
 
 async fn applied_reloads(r: &KvsightRouter, http: &reqwest::Client) -> Result<f64> {
@@ -553,68 +630,8 @@ fn judge(
         misses.push("no request was served".into());
     }
     let mut processes = Vec::new();
-    let memory_from = opts.minutes * 60.0 * MEMORY_FROM;
-    let memory_judged = opts.minutes >= MEMORY_MIN_MINUTES;
     for (name, start) in baseline {
-        let Some((_, end)) = last.iter().find(|(n, _)| n == name) else {
-            misses.push(format!("{name} was gone at the end"));
-            continue;
-        };
-        let curve: Vec<(f64, f64, usize)> = timeline
-            .iter()
-            .filter_map(|(t, samples)| {
-                let (_, s) = samples.iter().find(|(n, _)| n == name)?;
-                Some((*t, s.rss? as f64 / 1048576.0, s.fds?))
-            })
-            .collect();
-        // Descriptors follow the connections open at the moment (streams in flight, idle
-        // pooled ones, a crashed engine's clients reconnecting): one sample swings by ±10 %
-        // (961–1,158 in a 30-minute run). The median of the last third of the run shows a
-        // trend; a leak moves it, a swing does not.
-        let mut late_fds: Vec<usize> = curve
-            .iter()
-            .filter(|(t, _, _)| *t >= 2.0 * opts.minutes * 60.0 / 3.0)
-            .map(|&(_, _, f)| f)
-            .collect();
-        late_fds.sort_unstable();
-        let (Some(&(from_s, r0, _)), Some(r1), Some(f0), Some(f1)) = (
-            curve
-                .iter()
-                .find(|(t, _, _)| *t >= memory_from)
-                .or(curve.first()),
-            end.rss,
-            start.fds,
-            late_fds.get(late_fds.len() / 2).copied().or(end.fds),
-        ) else {
-            misses.push(format!("{name}: no /proc figures"));
-            continue;
-        };
-        let r1 = r1 as f64 / 1048576.0;
-        let growth = r1 / r0 - 1.0;
-        if memory_judged && growth >= RSS_GROWTH_LIMIT {
-            misses.push(format!(
-                "{name}: RSS grew {:.1} % from {from_s:.0} s to the end (limit {:.0} %)",
-                growth * 100.0,
-                RSS_GROWTH_LIMIT * 100.0
-            ));
-        }
-        let fd_limit = f0 + (f0 as f64 * FD_GROWTH_LIMIT) as usize + FD_SLACK;
-        if f1 > fd_limit {
-            misses.push(format!(
-                "{name}: open descriptors {f0} -> {f1} (median of the last third; limit {fd_limit})"
-            ));
-        }
-        processes.push(ProcFigures {
-            name: name.clone(),
-            rss_from_s: from_s,
-            rss_start_mib: r0,
-            rss_end_mib: r1,
-            rss_growth: growth,
-            rss_judged: memory_judged,
-            fds_start: f0,
-            fds_end: f1,
-            timeline: curve,
-        });
+        processes.extend(proc_figures(opts, name, start, last, timeline, &mut misses));
     }
     let (p99_s, count) = p99(buckets);
     Report {
@@ -645,6 +662,79 @@ fn judge(
         added_latency_count: count,
         misses,
     }
+}
+
+/// One long-lived process's memory and descriptor figures, judged against their limits; `None`
+/// (and a miss) when it was gone at the end or had no `/proc` figures.
+fn proc_figures(
+    opts: &Options,
+    name: &str,
+    start: &Sample,
+    last: &[(String, Sample)],
+    timeline: &[(f64, Vec<(String, Sample)>)],
+    misses: &mut Vec<String>,
+) -> Option<ProcFigures> {
+    let memory_from = opts.minutes * 60.0 * MEMORY_FROM;
+    let memory_judged = opts.minutes >= MEMORY_MIN_MINUTES;
+    let Some((_, end)) = last.iter().find(|(n, _)| n == name) else {
+        misses.push(format!("{name} was gone at the end"));
+        return None;
+    };
+    let curve: Vec<(f64, f64, usize)> = timeline
+        .iter()
+        .filter_map(|(t, samples)| {
+            let (_, s) = samples.iter().find(|(n, _)| n == name)?;
+            Some((*t, s.rss? as f64 / 1048576.0, s.fds?))
+        })
+        .collect();
+    // Descriptors follow the connections open at the moment (streams in flight, idle
+    // pooled ones, a crashed engine's clients reconnecting): one sample swings by ±10 %
+    // (961–1,158 in a 30-minute run). The median of the last third of the run shows a
+    // trend; a leak moves it, a swing does not.
+    let mut late_fds: Vec<usize> = curve
+        .iter()
+        .filter(|(t, _, _)| *t >= 2.0 * opts.minutes * 60.0 / 3.0)
+        .map(|&(_, _, f)| f)
+        .collect();
+    late_fds.sort_unstable();
+    let (Some(&(from_s, r0, _)), Some(r1), Some(f0), Some(f1)) = (
+        curve
+            .iter()
+            .find(|(t, _, _)| *t >= memory_from)
+            .or(curve.first()),
+        end.rss,
+        start.fds,
+        late_fds.get(late_fds.len() / 2).copied().or(end.fds),
+    ) else {
+        misses.push(format!("{name}: no /proc figures"));
+        return None;
+    };
+    let r1 = r1 as f64 / 1048576.0;
+    let growth = r1 / r0 - 1.0;
+    if memory_judged && growth >= RSS_GROWTH_LIMIT {
+        misses.push(format!(
+            "{name}: RSS grew {:.1} % from {from_s:.0} s to the end (limit {:.0} %)",
+            growth * 100.0,
+            RSS_GROWTH_LIMIT * 100.0
+        ));
+    }
+    let fd_limit = f0 + (f0 as f64 * FD_GROWTH_LIMIT) as usize + FD_SLACK;
+    if f1 > fd_limit {
+        misses.push(format!(
+            "{name}: open descriptors {f0} -> {f1} (median of the last third; limit {fd_limit})"
+        ));
+    }
+    Some(ProcFigures {
+        name: name.to_owned(),
+        rss_from_s: from_s,
+        rss_start_mib: r0,
+        rss_end_mib: r1,
+        rss_growth: growth,
+        rss_judged: memory_judged,
+        fds_start: f0,
+        fds_end: f1,
+        timeline: curve,
+    })
 }
 
 /// The report as the lines the command prints.

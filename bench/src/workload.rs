@@ -99,6 +99,21 @@ struct Body {
     group: Option<&'static str>,
 }
 
+impl Body {
+    /// This body sent `at` into the run.
+    fn request_at(&self, at: Duration) -> Request {
+        Request {
+            at,
+            path: self.path,
+            body: self.body.clone(),
+            prompt_tokens: self.prompt_tokens,
+            key: self.key,
+            headers: self.headers.clone(),
+            group: self.group,
+        }
+    }
+}
+
 /// noisy_neighbor's shape: tenants, the noisy one's share of the calm rate, the burst.
 pub mod noisy {
     /// Tenants, the first of them noisy.
@@ -254,11 +269,7 @@ fn noisy_bodies(
             bodies.push(b);
         }
     }
-    let shared = systems
-        .iter()
-        .map(|s| u64::from(completion_tokens(tok, s)))
-        .sum();
-    (bodies, shared)
+    (bodies, prompts_tokens(tok, &systems))
 }
 
 /// priority_mix's bodies: half interactive ([`PRIORITY_APPS`] apps' 1,500-token system
@@ -299,11 +310,58 @@ fn priority_bodies(
         };
         bodies.push(b);
     }
-    let shared = systems
+    (bodies, prompts_tokens(tok, &systems))
+}
+
+/// The tokens of `prompts` together, each as a completion prompt on the pods.
+fn prompts_tokens(tok: &ModelTokenizer, prompts: &[String]) -> u64 {
+    prompts
         .iter()
         .map(|s| u64::from(completion_tokens(tok, s)))
-        .sum();
-    (bodies, shared)
+        .sum()
+}
+
+/// A chat request of `msgs` (role, content), keyed by `key`.
+fn chat_body(tok: &ModelTokenizer, msgs: &[(&str, &str)], max_tokens: u32, key: usize) -> Body {
+    let chat_msgs: Vec<_> = msgs
+        .iter()
+        .map(|(r, c)| kvsight_tokenizer::ChatMessage::new(*r, *c))
+        .collect();
+    let prompt_tokens = tok
+        .encode_chat(&chat_msgs, true, &Default::default())
+        .map_or(0, |ids| ids.len() as u32);
+    Body {
+        path: "/v1/chat/completions",
+        body: bytes::Bytes::from(chat(msgs, max_tokens).to_string()),
+        prompt_tokens,
+        key: key as u32,
+        headers: Vec::new(),
+        group: None,
+    }
+}
+
+/// A chat's messages: the system prompt, the (user, answer) turns so far, the user's new turn.
+fn conversation<'a>(
+    system: &'a str,
+    history: &'a [(String, String)],
+    user: &'a str,
+) -> Vec<(&'a str, &'a str)> {
+    let mut msgs = vec![("system", system)];
+    for (u, a) in history {
+        msgs.push(("user", u.as_str()));
+        msgs.push(("assistant", a.as_str()));
+    }
+    msgs.push(("user", user));
+    msgs
+}
+
+/// One workload's requests and what they share, before the cache is sized for them.
+struct Generated {
+    bodies: Vec<Body>,
+    count: usize,
+    shared_prompts: usize,
+    shared_tokens: u64,
+    rates: Vec<f64>,
 }
 
 /// Builds the request bodies, in order, and sizes the cache; `pods` is the cluster size;
@@ -318,238 +376,241 @@ pub fn build(
     count_override: Option<usize>,
 ) -> Workload {
     let mut rng = SeededRng::new(0x6265_6e63_6800 + kind as u64);
-    let chat_tokens = |msgs: &[(&str, &str)]| -> u32 {
-        let msgs: Vec<_> = msgs
-            .iter()
-            .map(|(r, c)| kvsight_tokenizer::ChatMessage::new(*r, *c))
-            .collect();
-        tok.encode_chat(&msgs, true, &Default::default())
-            .map_or(0, |ids| ids.len() as u32)
-    };
-    let mut bodies: Vec<Body> = Vec::new();
-    let push_completion = |bodies: &mut Vec<Body>, prompt: &str, max_tokens: u32, key: usize| {
-        bodies.push(Body {
-            path: "/v1/completions",
-            body: bytes::Bytes::from(completion(prompt, max_tokens).to_string()),
-            prompt_tokens: completion_tokens(tok, prompt),
-            key: key as u32,
-            headers: Vec::new(),
-            group: None,
-        });
-    };
-    // Returns the prompt's tokens on the pods.
-    let push_chat =
-        |bodies: &mut Vec<Body>, msgs: &[(&str, &str)], max_tokens: u32, key: usize| -> u32 {
-            let prompt_tokens = chat_tokens(msgs);
-            bodies.push(Body {
-                path: "/v1/chat/completions",
-                body: bytes::Bytes::from(chat(msgs, max_tokens).to_string()),
-                prompt_tokens,
-                key: key as u32,
-                headers: Vec::new(),
-                group: None,
-            });
-            prompt_tokens
-        };
+    let rng = &mut rng;
     // Requests per run: the full run (every router, every workload) must fit in 30 minutes on a
     // 2-core machine. At 300 per workload (360 for multi_tenant) it took 33 min 22 s; below
     // saturation every router is level, so counts were cut where a run is long for the little it
     // tells: unique (its low rate costs the most wall time) to 200, the others to 240–300.
-    let (shared_prompts, shared_tokens, count, rates);
-    match kind {
-        Kind::SharedPrefix => {
-            // The demo's: 40 guidelines (≈ 756 tokens), then "Question n: name one factor."
-            let preamble = kvsight_sim::own_tokenizer::guidelines_preamble(40, 7);
-            count = count_override.unwrap_or(if quick { 200 } else { 240 });
-            for n in 0..count {
-                let p = format!("{preamble}Question {n}: name one factor.");
-                push_completion(&mut bodies, &p, cost.tokens(128), n);
-            }
-            shared_prompts = 1;
-            shared_tokens = u64::from(completion_tokens(tok, &preamble));
-            rates = vec![64.0, 128.0, 192.0];
-        }
+    let count = |quick_count: usize, full: usize| {
+        count_override.unwrap_or(if quick { quick_count } else { full })
+    };
+    let g = match kind {
+        Kind::SharedPrefix => shared_prefix(tok, cost, count(200, 240)),
         Kind::MultiTenant | Kind::MixedFaults => {
-            // b2b-saas: 150 groups × 5 users, 6k system prompt, 1.2k question, 1k output. Counts
-            // scaled to 4 groups per pod.
-            let groups = shape.tenants.unwrap_or(4 * pods);
-            let system = cost.tokens(shape.system_tokens.unwrap_or(6000));
-            let systems: Vec<String> = (0..groups)
-                .map(|g| system_prompt(tok, &mut rng, system, &format!("tenant {g}")))
-                .collect();
-            count = count_override.unwrap_or(300);
-            for _ in 0..count {
-                let g = rng.below(groups);
-                let user = rng.below(5);
-                let lead = format!("User {user} of tenant {g} asks: {}\n", question(&mut rng));
-                let q = text_of(
-                    tok,
-                    &mut rng,
-                    cost.tokens(shape.question_tokens.unwrap_or(1200)),
-                    &lead,
-                );
-                push_completion(
-                    &mut bodies,
-                    &format!("{}\n{q}", systems[g]),
-                    cost.tokens(shape.output_tokens.unwrap_or(1000)),
-                    g,
-                );
-            }
-            shared_prompts = groups;
-            shared_tokens = systems
-                .iter()
-                .map(|s| u64::from(completion_tokens(tok, s)))
-                .sum();
-            // mixed_faults at the knee and past it: below saturation multi_tenant already shows
-            // the routers level, and each mixed_faults run lasts as long as its slowest request
-            // stuck behind the bypassing load (up to a minute), so a third rate would cost four
-            // minutes of the full run's thirty.
-            rates = if kind == Kind::MixedFaults {
-                vec![64.0, 96.0]
-            } else {
-                vec![32.0, 64.0, 96.0]
-            };
+            multi_tenant(tok, rng, cost, pods, shape, count(300, 300), kind)
         }
-        Kind::MultiTurn => {
-            // ShareGPT-like sessions of 2–20 turns: a short shared system prompt, user turns of
-            // ≈ 200 tokens, answers of ≈ 400, 16 sessions interleaved at a time.
-            let system = system_prompt(tok, &mut rng, cost.tokens(400), "a support desk");
-            count = count_override.unwrap_or(if quick { 200 } else { 240 });
-            // (history of (user, answer) turns, turns in all, session id)
-            type Session = (Vec<(String, String)>, usize, usize);
-            let mut sessions: Vec<Session> = Vec::new();
-            let mut total_sessions = 0;
-            let mut shared = 0u64;
-            let mut i = 0;
-            while bodies.len() < count {
-                while sessions.len() < 16 {
-                    let turns = 2 + rng.below(19);
-                    sessions.push((Vec::new(), turns, total_sessions));
-                    total_sessions += 1;
-                }
-                // A random live session takes the next turn: users do not take turns in order
-                // (and a rotation would line sessions up with a round-robin router's pods).
-                let idx = rng.below(sessions.len());
-                let (history, _, session) = &mut sessions[idx];
-                let lead = format!("{}\n", question(&mut rng));
-                let user = text_of(tok, &mut rng, cost.tokens(200), &lead);
-                let mut msgs: Vec<(&str, &str)> = vec![("system", system.as_str())];
-                for (u, a) in history.iter() {
-                    msgs.push(("user", u));
-                    msgs.push(("assistant", a));
-                }
-                msgs.push(("user", &user));
-                let n = push_chat(&mut bodies, &msgs, cost.tokens(400), *session);
-                shared = shared.max(u64::from(n));
-                let answer = text_of(tok, &mut rng, cost.tokens(400), "");
-                history.push((user, answer));
-                i += 1;
-                if history.len() >= sessions[idx].1 {
-                    sessions.swap_remove(idx);
-                }
-            }
-            let _ = i;
-            shared_prompts = total_sessions;
-            // Sessions alive at once hold their histories: 16 of up to 20 turns.
-            shared_tokens = shared * 16 / 2;
-            rates = vec![32.0, 64.0, 96.0];
-        }
-        Kind::Agentic => {
-            // inference-perf code generation: agents with 3k–30k-token tool prompts, sessions of
-            // many short turns (≈ 100-token instructions, ≈ 200-token answers).
-            let agents = 2 * pods;
-            let tools: Vec<String> = (0..agents)
-                .map(|a| {
-                    let len = 3000 + (27_000 * a / agents.max(2).saturating_sub(1)) as u32;
-                    system_prompt(
-                        tok,
-                        &mut rng,
-                        cost.tokens(len),
-                        &format!("coding agent {a}"),
-                    )
-                })
-                .collect();
-            count = count_override.unwrap_or(if quick { 200 } else { 240 });
-            // 3 sessions per agent at a time, each growing turn by turn, up to 12 turns.
-            let mut histories: Vec<Vec<(String, String)>> = vec![Vec::new(); agents * 3];
-            for _ in 0..count {
-                let s = rng.below(histories.len());
-                let a = s / 3;
-                if histories[s].len() >= 12 {
-                    histories[s].clear();
-                }
-                let lead = format!("Task: {}\n", question(&mut rng));
-                let user = text_of(tok, &mut rng, cost.tokens(100), &lead);
-                let mut msgs: Vec<(&str, &str)> = vec![("system", tools[a].as_str())];
-                for (u, r) in &histories[s] {
-                    msgs.push(("user", u));
-                    msgs.push(("assistant", r));
-                }
-                msgs.push(("user", &user));
-                push_chat(&mut bodies, &msgs, cost.tokens(200), s);
-                let answer = text_of(tok, &mut rng, cost.tokens(200), "");
-                histories[s].push((user, answer));
-            }
-            shared_prompts = agents;
-            shared_tokens = tools
-                .iter()
-                .map(|s| u64::from(completion_tokens(tok, s)))
-                .sum();
-            rates = vec![32.0, 64.0, 96.0];
-        }
+        Kind::MultiTurn => multi_turn(tok, rng, cost, count(200, 240)),
+        Kind::Agentic => agentic(tok, rng, cost, pods, count(200, 240)),
         Kind::NoisyNeighbor => {
-            let per_tenant = count_override.unwrap_or(if quick { 48 } else { 96 });
-            let (b, shared) = noisy_bodies(tok, &mut rng, cost, per_tenant);
-            bodies = b;
-            count = bodies.len();
-            shared_prompts = noisy::TENANTS;
-            shared_tokens = shared;
-            // The calm rate: the burst adds (BURST - 1) × 0.3 of it, 2.2× in all.
-            rates = vec![48.0];
+            let (bodies, shared) = noisy_bodies(tok, rng, cost, count(48, 96));
+            Generated {
+                count: bodies.len(),
+                bodies,
+                shared_prompts: noisy::TENANTS,
+                shared_tokens: shared,
+                // The calm rate: the burst adds (BURST - 1) × 0.3 of it, 2.2× in all.
+                rates: vec![48.0],
+            }
         }
         Kind::PriorityMix => {
-            count = count_override.unwrap_or(if quick { 240 } else { 480 });
-            let (b, shared) = priority_bodies(tok, &mut rng, cost, count);
-            bodies = b;
-            shared_prompts = PRIORITY_APPS;
-            shared_tokens = shared;
-            // Past saturation: the interactive half alone is within the fleet's capacity.
-            rates = vec![192.0];
-        }
-        Kind::Unique => {
-            count = count_override.unwrap_or(200);
-            for n in 0..count {
-                let p = text_of(
-                    tok,
-                    &mut rng,
-                    cost.tokens(2000),
-                    &format!("Document {n}.\n"),
-                );
-                push_completion(&mut bodies, &p, cost.tokens(400), n);
+            let count = count(240, 480);
+            let (bodies, shared) = priority_bodies(tok, rng, cost, count);
+            Generated {
+                bodies,
+                count,
+                shared_prompts: PRIORITY_APPS,
+                shared_tokens: shared,
+                // Past saturation: the interactive half alone is within the fleet's capacity.
+                rates: vec![192.0],
             }
-            shared_prompts = 0;
-            shared_tokens = 0;
-            rates = vec![24.0, 48.0, 72.0];
         }
+        Kind::Unique => unique(tok, rng, cost, count(200, 200)),
+    };
+    Workload {
+        kind,
+        count: g.count,
+        num_gpu_blocks: gpu_blocks(cost, &g),
+        rates: g.rates,
+        shared_prompts: g.shared_prompts,
+        shared_tokens: g.shared_tokens,
+        bodies: g.bodies,
     }
-    // The shared prompts overflow one pod's cache (it holds half of them) and fit the cluster's
-    // several times over; at least room for a few of the longest requests.
+}
+
+/// KV blocks per pod: the shared prompts overflow one pod's cache (it holds half of them) and
+/// fit the cluster's several times over; at least room for a few of the longest requests.
+fn gpu_blocks(cost: &CostModel, g: &Generated) -> u32 {
     let bs = u64::from(cost.block_size);
-    let longest = bodies
+    let longest = g
+        .bodies
         .iter()
         .map(|b| u64::from(b.prompt_tokens))
         .max()
         .unwrap_or(1);
-    let per_pod_tokens = (shared_tokens / 2).max(8 * longest);
-    let num_gpu_blocks = u32::try_from(per_pod_tokens.div_ceil(bs) + 1).unwrap_or(u32::MAX);
-    Workload {
-        kind,
-        count,
-        num_gpu_blocks,
-        rates,
-        shared_prompts,
-        shared_tokens,
+    let per_pod_tokens = (g.shared_tokens / 2).max(8 * longest);
+    u32::try_from(per_pod_tokens.div_ceil(bs) + 1).unwrap_or(u32::MAX)
+}
+
+/// The demo's: 40 guidelines (≈ 756 tokens), then "Question n: name one factor."
+fn shared_prefix(tok: &ModelTokenizer, cost: &CostModel, count: usize) -> Generated {
+    let preamble = kvsight_sim::own_tokenizer::guidelines_preamble(40, 7);
+    let bodies = (0..count)
+        .map(|n| {
+            let p = format!("{preamble}Question {n}: name one factor.");
+            completion_body(tok, &p, cost.tokens(128), n)
+        })
+        .collect();
+    Generated {
         bodies,
+        count,
+        shared_prompts: 1,
+        shared_tokens: u64::from(completion_tokens(tok, &preamble)),
+        rates: vec![64.0, 128.0, 192.0],
+    }
+}
+
+/// b2b-saas: 150 groups × 5 users, 6k system prompt, 1.2k question, 1k output. Counts scaled
+/// to 4 groups per pod; `shape` overrides them.
+fn multi_tenant(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    pods: usize,
+    shape: TenantShape,
+    count: usize,
+    kind: Kind,
+) -> Generated {
+    let groups = shape.tenants.unwrap_or(4 * pods);
+    let system = cost.tokens(shape.system_tokens.unwrap_or(6000));
+    let systems: Vec<String> = (0..groups)
+        .map(|g| system_prompt(tok, rng, system, &format!("tenant {g}")))
+        .collect();
+    let mut bodies = Vec::with_capacity(count);
+    for _ in 0..count {
+        let g = rng.below(groups);
+        let user = rng.below(5);
+        let lead = format!("User {user} of tenant {g} asks: {}\n", question(rng));
+        let q = text_of(
+            tok,
+            rng,
+            cost.tokens(shape.question_tokens.unwrap_or(1200)),
+            &lead,
+        );
+        bodies.push(completion_body(
+            tok,
+            &format!("{}\n{q}", systems[g]),
+            cost.tokens(shape.output_tokens.unwrap_or(1000)),
+            g,
+        ));
+    }
+    Generated {
+        bodies,
+        count,
+        shared_prompts: groups,
+        shared_tokens: prompts_tokens(tok, &systems),
+        // mixed_faults at the knee and past it: below saturation multi_tenant already shows
+        // the routers level, and each mixed_faults run lasts as long as its slowest request
+        // stuck behind the bypassing load (up to a minute), so a third rate would cost four
+        // minutes of the full run's thirty.
+        rates: if kind == Kind::MixedFaults {
+            vec![64.0, 96.0]
+        } else {
+            vec![32.0, 64.0, 96.0]
+        },
+    }
+}
+
+/// ShareGPT-like sessions of 2–20 turns: a short shared system prompt, user turns of ≈ 200
+/// tokens, answers of ≈ 400, 16 sessions interleaved at a time.
+fn multi_turn(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    count: usize,
+) -> Generated {
+    let system = system_prompt(tok, rng, cost.tokens(400), "a support desk");
+    // (history of (user, answer) turns, turns in all, session id)
+    type Session = (Vec<(String, String)>, usize, usize);
+    let mut sessions: Vec<Session> = Vec::new();
+    let mut bodies: Vec<Body> = Vec::with_capacity(count);
+    let mut total_sessions = 0;
+    let mut shared = 0u64;
+    while bodies.len() < count {
+        while sessions.len() < 16 {
+            let turns = 2 + rng.below(19);
+            sessions.push((Vec::new(), turns, total_sessions));
+            total_sessions += 1;
+        }
+        // A random live session takes the next turn: users do not take turns in order
+        // (and a rotation would line sessions up with a round-robin router's pods).
+        let idx = rng.below(sessions.len());
+        let (history, _, session) = &mut sessions[idx];
+        let lead = format!("{}\n", question(rng));
+        let user = text_of(tok, rng, cost.tokens(200), &lead);
+        let msgs = conversation(&system, history, &user);
+        let b = chat_body(tok, &msgs, cost.tokens(400), *session);
+        shared = shared.max(u64::from(b.prompt_tokens));
+        bodies.push(b);
+        let answer = text_of(tok, rng, cost.tokens(400), "");
+        history.push((user, answer));
+        if history.len() >= sessions[idx].1 {
+            sessions.swap_remove(idx);
+        }
+    }
+    Generated {
+        bodies,
+        count,
+        shared_prompts: total_sessions,
+        // Sessions alive at once hold their histories: 16 of up to 20 turns.
+        shared_tokens: shared * 16 / 2,
+        rates: vec![32.0, 64.0, 96.0],
+    }
+}
+
+/// inference-perf code generation: agents with 3k–30k-token tool prompts, sessions of many
+/// short turns (≈ 100-token instructions, ≈ 200-token answers).
+fn agentic(
+    tok: &ModelTokenizer,
+    rng: &mut SeededRng,
+    cost: &CostModel,
+    pods: usize,
+    count: usize,
+) -> Generated {
+    let agents = 2 * pods;
+    let tools: Vec<String> = (0..agents)
+        .map(|a| {
+            let len = 3000 + (27_000 * a / agents.max(2).saturating_sub(1)) as u32;
+            system_prompt(tok, rng, cost.tokens(len), &format!("coding agent {a}"))
+        })
+        .collect();
+    // 3 sessions per agent at a time, each growing turn by turn, up to 12 turns.
+    let mut histories: Vec<Vec<(String, String)>> = vec![Vec::new(); agents * 3];
+    let mut bodies = Vec::with_capacity(count);
+    for _ in 0..count {
+        let s = rng.below(histories.len());
+        let a = s / 3;
+        if histories[s].len() >= 12 {
+            histories[s].clear();
+        }
+        let lead = format!("Task: {}\n", question(rng));
+        let user = text_of(tok, rng, cost.tokens(100), &lead);
+        let msgs = conversation(&tools[a], &histories[s], &user);
+        bodies.push(chat_body(tok, &msgs, cost.tokens(200), s));
+        let answer = text_of(tok, rng, cost.tokens(200), "");
+        histories[s].push((user, answer));
+    }
+    Generated {
+        bodies,
+        count,
+        shared_prompts: agents,
+        shared_tokens: prompts_tokens(tok, &tools),
+        rates: vec![32.0, 64.0, 96.0],
+    }
+}
+
+/// 2,000-token documents with nothing in common: routing must not hurt.
+fn unique(tok: &ModelTokenizer, rng: &mut SeededRng, cost: &CostModel, count: usize) -> Generated {
+    let mut bodies = Vec::with_capacity(count);
+    for n in 0..count {
+        let p = text_of(tok, rng, cost.tokens(2000), &format!("Document {n}.\n"));
+        bodies.push(completion_body(tok, &p, cost.tokens(400), n));
+    }
+    Generated {
+        bodies,
+        count,
+        shared_prompts: 0,
+        shared_tokens: 0,
+        rates: vec![24.0, 48.0, 72.0],
     }
 }
 
@@ -569,15 +630,7 @@ impl Workload {
                 // Exponential gaps: −ln(U) / rate, U uniform in (0, 1].
                 let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
                 t += -(1.0 - u).ln() / rate;
-                Request {
-                    at: Duration::from_secs_f64(t * time_scale),
-                    path: b.path,
-                    body: b.body.clone(),
-                    prompt_tokens: b.prompt_tokens,
-                    key: b.key,
-                    headers: b.headers.clone(),
-                    group: b.group,
-                }
+                b.request_at(Duration::from_secs_f64(t * time_scale))
             })
             .collect();
         Plan {
@@ -637,13 +690,8 @@ impl Workload {
                 let b = list[next[g] % list.len()];
                 next[g] += 1;
                 Request {
-                    at: Duration::from_secs_f64(t * time_scale),
-                    path: b.path,
-                    body: b.body.clone(),
-                    prompt_tokens: b.prompt_tokens,
-                    key: b.key,
-                    headers: b.headers.clone(),
                     group: Some(group),
+                    ..b.request_at(Duration::from_secs_f64(t * time_scale))
                 }
             })
             .collect();

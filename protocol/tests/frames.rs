@@ -1,5 +1,7 @@
 //! Framing edge cases a broken decoder gets wrong.
 
+mod common;
+
 use kvsight_protocol::bloom::{BloomFilter, CountingFilter, FilterError, FilterParams};
 use kvsight_protocol::frame::{self, FrameError, FrameReader, MAX_FRAME_LEN};
 use kvsight_protocol::messages::*;
@@ -316,15 +318,7 @@ fn a_hello_with_impossible_engine_facts_is_refused_at_decode() {
             url: "http://127.0.0.1:8000".into(),
             labels: Default::default(),
         },
-        engine: EngineFacts {
-            block_size: 16,
-            num_gpu_blocks: 1000,
-            prefix_caching: true,
-            max_num_seqs: 256,
-            max_model_len: 4096,
-            max_num_batched_tokens: Some(2048),
-            engine_version: "0.33.0".into(),
-        },
+        engine: common::engine(),
         models: vec!["m".into()],
         lora_adapters: vec![],
         tokenizer: None,

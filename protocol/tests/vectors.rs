@@ -4,6 +4,8 @@
 //! The hash vectors were computed independently of this crate, from the definition in
 //! `protocol/src/hash.rs`, with Python's `xxhash` package (`xxh3_64_intdigest(..., seed=HASH_SEED)`).
 
+mod common;
+
 use kvsight_protocol::bloom::{BloomFilter, FilterParams};
 use kvsight_protocol::frame;
 use kvsight_protocol::hash::{ChainSeed, block_hash, hash_chain};
@@ -107,15 +109,7 @@ fn hello_frame_bytes_are_pinned() {
             url: "http://x".into(),
             labels: [("kvsight.io/pool".to_string(), "short".to_string())].into(),
         },
-        engine: EngineFacts {
-            block_size: 16,
-            num_gpu_blocks: 1000,
-            prefix_caching: true,
-            max_num_seqs: 256,
-            max_model_len: 4096,
-            max_num_batched_tokens: Some(2048),
-            engine_version: "0.33.0".into(),
-        },
+        engine: common::engine(),
         models: vec!["m".into()],
         lora_adapters: vec![],
         tokenizer: None,

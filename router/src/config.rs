@@ -421,6 +421,27 @@ impl RouterConfig {
 
     /// Every rule a config must satisfy, checked in one place.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_pools()?;
+        self.validate_scheduler()?;
+        self.validate_timeouts()?;
+        self.validate_limits()?;
+        self.validate_pods()?;
+        let l = &self.limits;
+        if l.inflight_body_bytes < l.body_bytes {
+            return Err(invalid(
+                "limits.inflightBodyBytes",
+                format!(
+                    "must be at least limits.bodyBytes ({}), or a body of the largest size is never read, got {}",
+                    l.body_bytes, l.inflight_body_bytes
+                ),
+            ));
+        }
+        self.flow_control.validate()?;
+        Ok(())
+    }
+
+    /// Pool names are unique and non-empty, each pool serves a model, fallbacks name another pool.
+    fn validate_pools(&self) -> Result<(), ConfigError> {
         let mut names = BTreeSet::new();
         for (i, pool) in self.pools.iter().enumerate() {
             let field = format!("pools[{i}]");
@@ -462,6 +483,11 @@ impl RouterConfig {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Scorer weights, saturation thresholds and the pending and affinity times.
+    fn validate_scheduler(&self) -> Result<(), ConfigError> {
         for kind in ScorerKind::ALL {
             let w = self.scheduler.weights.get(kind);
             if !w.is_finite() || w < 0.0 {
@@ -492,6 +518,11 @@ impl RouterConfig {
             "scheduler.affinityTtlSeconds",
             self.scheduler.affinity_ttl_seconds,
         )?;
+        Ok(())
+    }
+
+    /// Every timeout is a positive number of seconds.
+    fn validate_timeouts(&self) -> Result<(), ConfigError> {
         positive_secs("timeouts.requestSeconds", self.timeouts.request_seconds)?;
         positive_secs("timeouts.connectSeconds", self.timeouts.connect_seconds)?;
         positive_secs(
@@ -503,6 +534,11 @@ impl RouterConfig {
             "timeouts.clientWriteSeconds",
             self.timeouts.client_write_seconds,
         )?;
+        Ok(())
+    }
+
+    /// Every size and count limit is in its range.
+    fn validate_limits(&self) -> Result<(), ConfigError> {
         let l = &self.limits;
         for (field, v, min, max) in [
             ("limits.bodyBytes", l.body_bytes, 1, usize::MAX),
@@ -531,6 +567,11 @@ impl RouterConfig {
                 return Err(invalid(field, format!("must be {range}, got {v}")));
             }
         }
+        Ok(())
+    }
+
+    /// The per-pod bounds are at least 1.
+    fn validate_pods(&self) -> Result<(), ConfigError> {
         let p = &self.pods;
         for (field, v) in [
             ("pods.maxConnections", p.max_connections),
@@ -541,16 +582,6 @@ impl RouterConfig {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
-        if l.inflight_body_bytes < l.body_bytes {
-            return Err(invalid(
-                "limits.inflightBodyBytes",
-                format!(
-                    "must be at least limits.bodyBytes ({}), or a body of the largest size is never read, got {}",
-                    l.body_bytes, l.inflight_body_bytes
-                ),
-            ));
-        }
-        self.flow_control.validate()?;
         Ok(())
     }
 

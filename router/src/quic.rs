@@ -7,7 +7,7 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::{Instant, MissedTickBehavior, timeout};
@@ -27,6 +27,7 @@ use tokio::sync::mpsc;
 use crate::config::PodsConfig;
 use crate::identity::check_name;
 use crate::pods::{RegistryError, pod_key};
+use crate::server::Slot;
 use crate::state::State;
 
 /// How long a new connection may take to open its stream and say `Hello`.
@@ -78,26 +79,6 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, stop: Cancellat
     let _ = timeout(CLOSE_GRACE, conns.wait()).await;
     endpoint.close(CloseReason::Shutdown.code().into(), b"router shutting down");
     let _ = timeout(CLOSE_GRACE, endpoint.wait_idle()).await;
-}
-
-/// One open sidecar connection, counted while it lives.
-struct Slot(Arc<AtomicUsize>);
-
-impl Slot {
-    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
-        count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Slot(count.clone()))
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 fn close(conn: &quinn::Connection, reason: CloseReason, msg: &str) {

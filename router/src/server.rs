@@ -38,12 +38,12 @@ pub const MAX_REFUSING: usize = 64;
 /// How long to wait after a failed `accept` (out of file descriptors, usually) before the next.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// One open connection, counted while it lives.
-struct Slot(Arc<AtomicUsize>);
+/// One open connection (HTTP or a sidecar's QUIC one), counted while it lives.
+pub(crate) struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
     /// A slot when fewer than `max` are taken.
-    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+    pub(crate) fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
         count
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)

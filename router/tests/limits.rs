@@ -137,15 +137,6 @@ async fn raw(addr: SocketAddr, bytes: &[u8]) -> Answer {
     read_answer(&mut tcp).await.expect("an HTTP answer")
 }
 
-fn post_request(path: &str, body: &str, extra: &str) -> Vec<u8> {
-    format!(
-        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .into_bytes()
-}
-
 /// `kvsight_router_refused_total{reason}`, read from the metrics.
 fn refused(st: &State, reason: &str) -> u64 {
     let text = st

@@ -84,14 +84,7 @@ const BODY: &str =
     r#"{"model":"m","prompt":"Hello there, general Kenobi","stream":true,"max_tokens":5}"#;
 
 async fn metrics(router: &str) -> String {
-    client()
-        .get(format!("{router}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvsight_harness::http::get_text(&client(), &format!("{router}/metrics")).await
 }
 
 /// Reads the rest of a response body, bounded in time.
@@ -442,12 +435,12 @@ async fn config_reload_applies_a_valid_file_and_rejects_an_invalid_one() {
     };
 
     // Valid: `prefix: 0` (a spread) is live afterwards.
-    std::fs::write(&path, "scheduler:\n  weights:\n    prefix: 0\n").unwrap();
+    replace(&path, "scheduler:\n  weights:\n    prefix: 0\n");
     wait(1, &mut events).await;
     assert_eq!(st.live().config.scheduler.weights.prefix, 0.0);
 
     // Invalid: negative timeout. Rejected, counted, the old config stays.
-    std::fs::write(&path, "timeouts:\n  requestSeconds: -1\n").unwrap();
+    replace(&path, "timeouts:\n  requestSeconds: -1\n");
     wait(2, &mut events).await;
     assert_eq!(st.live().config.scheduler.weights.prefix, 0.0);
     let m = st
@@ -463,6 +456,14 @@ async fn config_reload_applies_a_valid_file_and_rejects_an_invalid_one() {
     );
     stop.cancel();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Replaces the file's content by rename, as a ConfigMap update does: a write in place is seen
+/// half done (truncated, then written), which is a reload of its own.
+fn replace(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("yaml.tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
 }
 
 /// Sends `n` completions sharing a long prefix and returns which pod answered each.

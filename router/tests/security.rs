@@ -79,15 +79,6 @@ async fn raw(addr: SocketAddr, bytes: &[u8]) -> (u16, String, String) {
     (status, head.to_owned(), body.to_owned())
 }
 
-fn post_request(path: &str, body: &str, extra: &str) -> Vec<u8> {
-    format!(
-        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .into_bytes()
-}
-
 /// Every field vLLM's chat template renders, and token ids, count toward `promptBytes`: 2 KiB in
 /// any one of them is refused under a 1 KiB limit before a pod sees it.
 #[tokio::test]
@@ -237,14 +228,8 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_pod_request_aborted() {
     })
     .await;
     let running = || async {
-        let text = http()
-            .get(format!("{}/metrics", pod.base_url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text =
+            kvsight_harness::http::get_text(&http(), &format!("{}/metrics", pod.base_url())).await;
         text.lines()
             .find(|l| l.starts_with("vllm:num_requests_running"))
             .and_then(|l| l.rsplit(' ').next())

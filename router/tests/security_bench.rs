@@ -8,26 +8,11 @@
 //! meanwhile; prints `/health`'s latency quantiles. `KVSIGHT_ROUTER_BIN` runs another build of
 //! the binary (one without `--admin-listen`, for a before/after figure).
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+mod router_process;
+
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use router_process::RouterProcess;
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
@@ -43,9 +28,7 @@ fn health_latency_under_four_8_mib_tokenize() {
         return;
     };
     let dir = std::env::temp_dir().join(format!("kvsight-router-bench-{}", std::process::id()));
-    let ca = kvsight_transport::dev_certs::DevCa::new("ca").unwrap();
-    ca.write_leaves(&dir, &[("router", &["kvsight-router"])])
-        .unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("router.yaml");
     std::fs::write(
         &config,
@@ -55,40 +38,16 @@ fn health_latency_under_four_8_mib_tokenize() {
         ),
     )
     .unwrap();
-    let p = |f: &str| dir.join(f).display().to_string();
-    let http = free_port();
-    let bin = std::env::var("KVSIGHT_ROUTER_BIN")
-        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvsight-router").to_owned());
-    let mut cmd = Command::new(&bin);
-    cmd.args([
-        "--tls-cert",
-        &p("router.pem"),
-        "--tls-key",
-        &p("router-key.pem"),
-    ])
-    .args(["--tls-ca", &p("ca.pem")])
-    .args(["--config", &config.display().to_string()])
-    .args(["--listen", &format!("127.0.0.1:{http}")])
-    .args(["--quic-listen", "127.0.0.1:0"])
-    .env("RUST_LOG", "error")
-    .stdout(Stdio::null());
-    if std::env::var("KVSIGHT_ROUTER_BIN").is_err() {
-        cmd.args(["--admin-listen", &format!("127.0.0.1:{}", free_port())]);
-    }
-    let _router = Router(cmd.spawn().unwrap());
+    let router = RouterProcess::start(&dir, &["--config", &config.display().to_string()]);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let client = reqwest::Client::builder().no_proxy().build().unwrap();
-    let base = format!("http://127.0.0.1:{http}");
+    let base = router.base.clone();
     rt.block_on(async {
-        let end = Instant::now() + Duration::from_secs(60);
-        while client.get(format!("{base}/health")).send().await.is_err() {
-            assert!(Instant::now() < end, "the router did not start");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        router.wait_started(&client, Duration::from_secs(60)).await;
         // 8 MiB of prompt text, just within the default promptBytes.
         let words = "the quick brown fox jumps over the lazy dog ";
         let prompt = words.repeat(((8 << 20) - 4096) / words.len());

@@ -4,21 +4,15 @@
 //! are printed (`--nocapture`) and recorded in docs/bench/security.md; `KVSIGHT_ROUTER_BIN`
 //! measures another build of the binary (one without `--admin-listen`, for a before figure).
 
+mod router_process;
+
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use router_process::RouterProcess;
 
 /// The router's default `limits.bodyBytes`.
 const BODY: usize = 32 << 20;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A `/proc/<pid>/status` field in KiB.
 fn status_kib(pid: u32, field: &str) -> u64 {
@@ -52,15 +46,6 @@ fn hostile(field: &str) -> Vec<u8> {
     body
 }
 
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_32_mib_body_of_zeros_costs_the_router_under_four_times_its_size() {
     if !std::path::Path::new("/proc/self/status").exists() {
@@ -68,43 +53,12 @@ fn a_32_mib_body_of_zeros_costs_the_router_under_four_times_its_size() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("kvsight-router-mem-{}", std::process::id()));
-    let ca = kvsight_transport::dev_certs::DevCa::new("ca").unwrap();
-    ca.write_leaves(&dir, &[("router", &["kvsight-router"])])
-        .unwrap();
-    let p = |f: &str| dir.join(f).display().to_string();
-    let (http, admin) = (free_port(), free_port());
-    let other = std::env::var("KVSIGHT_ROUTER_BIN").ok();
-    let mut cmd = Command::new(
-        other
-            .as_deref()
-            .unwrap_or(env!("CARGO_BIN_EXE_kvsight-router")),
-    );
-    cmd.args([
-        "--tls-cert",
-        &p("router.pem"),
-        "--tls-key",
-        &p("router-key.pem"),
-    ])
-    .args(["--tls-ca", &p("ca.pem")])
-    .args(["--listen", &format!("127.0.0.1:{http}")])
-    .args(["--quic-listen", "127.0.0.1:0"])
-    .env("RUST_LOG", "error")
-    .stdout(Stdio::null());
-    if other.is_none() {
-        cmd.args(["--admin-listen", &format!("127.0.0.1:{admin}")]);
-    }
-    let router = Router(cmd.spawn().unwrap());
-    let pid = router.0.id();
+    let router = RouterProcess::start(&dir, &[]);
+    let pid = router.pid();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let client = reqwest::Client::builder().no_proxy().build().unwrap();
-    let base = format!("http://127.0.0.1:{http}");
-    rt.block_on(async {
-        let end = Instant::now() + Duration::from_secs(30);
-        while client.get(format!("{base}/health")).send().await.is_err() {
-            assert!(Instant::now() < end, "the router did not start");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
+    let base = router.base.clone();
+    rt.block_on(router.wait_started(&client, Duration::from_secs(30)));
     let baseline = status_kib(pid, "VmRSS");
     let mut worst = 0;
     println!("baseline VmRSS {} MiB", baseline / 1024);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvsight_router::config::RouterConfig;
 use kvsight_router::tokenize::model_tokenizer;
-use kvsight_sim::server::{SimConfig, SimPod, TokenizerFiles};
+use kvsight_sim::server::{SimConfig, SimPod};
 use serde_json::{Value, json};
 
 use common::*;
@@ -28,10 +28,7 @@ async fn router_tokenize_ids_equal_the_simulators_and_streams_pass_through() {
     };
     let sim = SimPod::start(SimConfig {
         served_model_names: vec![MODEL.into()],
-        tokenizer: Some(TokenizerFiles {
-            tokenizer_json: files.tokenizer_json.clone(),
-            tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
-        }),
+        tokenizer: Some(sim_tokenizer(&files)),
         ..SimConfig::default()
     })
     .await
@@ -151,10 +148,7 @@ async fn an_adapter_request_is_tokenized_with_its_base_models_tokenizer() {
     let sim = SimPod::start(SimConfig {
         served_model_names: vec![MODEL.into()],
         lora_modules: vec![("sql-lora".into(), "/adapters/sql".into())],
-        tokenizer: Some(TokenizerFiles {
-            tokenizer_json: files.tokenizer_json.clone(),
-            tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
-        }),
+        tokenizer: Some(sim_tokenizer(&files)),
         ..SimConfig::default()
     })
     .await

@@ -12,7 +12,7 @@ use kvsight_router::config::RouterConfig;
 use kvsight_router::state::State;
 use kvsight_router::tokenize::{Verdict, model_tokenizer};
 use kvsight_router::tokenizer_check::check_pending;
-use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle, TokenizerFiles as SimTokenizerFiles};
+use kvsight_sim::server::{SimConfig, SimPod, SimPodHandle};
 use kvsight_tokenizer::Dialect;
 use serde_json::{Value, json};
 
@@ -29,10 +29,7 @@ async fn sim_in(
 ) -> SimPodHandle {
     SimPod::start(SimConfig {
         served_model_names: vec![MODEL.into()],
-        tokenizer: Some(SimTokenizerFiles {
-            tokenizer_json: files.tokenizer_json.clone(),
-            tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
-        }),
+        tokenizer: Some(sim_tokenizer(files)),
         tokenizer_dialect: dialect,
         ..SimConfig::default()
     })

@@ -282,6 +282,16 @@ impl Pod {
         self.shared.subscriber.get().unwrap().borrow().clone()
     }
 
+    /// The subscriber counted an engine restart since `before` and is back on an exact view.
+    fn assert_restart_seen(&self, before: &SubscriberStatus) {
+        let after = self.status();
+        assert!(
+            after.restarts > before.restarts,
+            "restart not seen: {after:?}"
+        );
+        assert_eq!(after.view, CacheView::Exact);
+    }
+
     /// The mirror's resident set as (vLLM hash → canonical hash) keys.
     fn mirror_keys(&self) -> BTreeSet<u64> {
         lock(self.shared.mirror.get().unwrap())
@@ -501,12 +511,7 @@ async fn engine_restart_resets_and_resyncs_the_mirror() {
     pod.sim.restart_kv_sequence();
     pod.workload(200, 8, 60).await;
     pod.assert_mirror_matches().await;
-    let after = pod.status();
-    assert!(
-        after.restarts > before.restarts,
-        "restart not seen: {after:?}"
-    );
-    assert_eq!(after.view, CacheView::Exact);
+    pod.assert_restart_seen(&before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -693,12 +698,7 @@ async fn engine_process_replaced_on_the_same_ports_resyncs() {
     pod.workload(300, 8, 60).await;
     pod.assert_mirror_matches().await;
     pod.assert_router_predicts_hit(307, 48);
-    let after = pod.status();
-    assert!(
-        after.restarts > before.restarts,
-        "restart not seen: {after:?}"
-    );
-    assert_eq!(after.view, CacheView::Exact);
+    pod.assert_restart_seen(&before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,20 +1,17 @@
 //! The project's own tokenizer: deterministic training, round trips, chat template, and that
 //! realistic prompts tokenize to realistic lengths.
 
+mod tokenizer_pin;
+
 use std::time::Instant;
 
 use kvsight_sim::own_tokenizer::{self, SPECIAL_TOKENS};
 use kvsight_tokenizer::{ChatExtras, ChatMessage, MessageContent, TokenizerError};
-use sha2::{Digest, Sha256};
 
 /// sha256 of the produced tokenizer.json. A change means every token id (and so every block hash
 /// in recorded expectations) may have moved: bump `own_tokenizer::VERSION` and update this.
 const TOKENIZER_JSON_SHA256: &str =
     "e5864f855ded2e50129ac021ff049347d3c14263b3a1db26f1a0653fef399d52";
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
 
 #[test]
 fn training_is_deterministic_and_pinned() {
@@ -28,10 +25,10 @@ fn training_is_deterministic_and_pinned() {
         first == second,
         "two trainings must give byte-identical files"
     );
-    assert_eq!(
-        hex(&Sha256::digest(first.tokenizer_json.as_bytes())),
+    tokenizer_pin::assert_pinned(
+        first.tokenizer_json.as_bytes(),
         TOKENIZER_JSON_SHA256,
-        "tokenizer.json changed: bump own_tokenizer::VERSION and re-pin"
+        "bump own_tokenizer::VERSION and re-pin",
     );
 }
 
@@ -60,7 +57,11 @@ fn ensure_dir_caches_the_trained_files() {
     assert_eq!(dir, again);
     // The cache holds what training produces (pinned), not a stale or partial copy.
     let on_disk = std::fs::read(dir.join("tokenizer.json")).expect("read");
-    assert_eq!(hex(&Sha256::digest(&on_disk)), TOKENIZER_JSON_SHA256);
+    tokenizer_pin::assert_pinned(
+        &on_disk,
+        TOKENIZER_JSON_SHA256,
+        "bump own_tokenizer::VERSION and re-pin",
+    );
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).expect("read"))
             .expect("config json");

@@ -208,46 +208,55 @@ fn compare_with(
     }
 }
 
-#[test]
-fn own_tokenizer_matches_python() {
-    let Some(python) = python("own_tokenizer_matches_python") else {
+/// The Python that computes `reference`'s ids, or `None` (after printing the skip line).
+fn python_for(test: &str, reference: Reference) -> Option<String> {
+    match reference {
+        Reference::Reimplementation => python(test),
+        Reference::Transformers => python_with_transformers(test),
+    }
+}
+
+/// The project's own tokenizer against `reference`.
+fn own_against(test: &str, reference: Reference) {
+    let Some(python) = python_for(test, reference) else {
         return;
     };
     let dir = own_tokenizer::ensure_dir().expect("own tokenizer");
-    compare(&dir, &python, Reference::Reimplementation);
+    compare(&dir, &python, reference);
+}
+
+/// Phi-3's tokenizer (a `../shared` fixture) against `reference`.
+fn phi3_against(test: &str, reference: Reference) {
+    let Some(python) = python_for(test, reference) else {
+        return;
+    };
+    let Some(dir) = kvsight_harness::fixture_or_skip(test, PHI3_DIR) else {
+        return;
+    };
+    compare(&dir, &python, reference);
+}
+
+#[test]
+fn own_tokenizer_matches_python() {
+    own_against("own_tokenizer_matches_python", Reference::Reimplementation);
 }
 
 #[test]
 fn own_tokenizer_matches_transformers() {
-    let Some(python) = python_with_transformers("own_tokenizer_matches_transformers") else {
-        return;
-    };
-    let dir = own_tokenizer::ensure_dir().expect("own tokenizer");
-    compare(&dir, &python, Reference::Transformers);
+    own_against(
+        "own_tokenizer_matches_transformers",
+        Reference::Transformers,
+    );
 }
 
 #[test]
 fn phi3_matches_python() {
-    let test = "phi3_matches_python";
-    let Some(python) = python(test) else {
-        return;
-    };
-    let Some(dir) = kvsight_harness::fixture_or_skip(test, PHI3_DIR) else {
-        return;
-    };
-    compare(&dir, &python, Reference::Reimplementation);
+    phi3_against("phi3_matches_python", Reference::Reimplementation);
 }
 
 #[test]
 fn phi3_matches_transformers() {
-    let test = "phi3_matches_transformers";
-    let Some(python) = python_with_transformers(test) else {
-        return;
-    };
-    let Some(dir) = kvsight_harness::fixture_or_skip(test, PHI3_DIR) else {
-        return;
-    };
-    compare(&dir, &python, Reference::Transformers);
+    phi3_against("phi3_matches_transformers", Reference::Transformers);
 }
 
 /// A template of our own that exercises what real templates use (namespace, slicing, loop

@@ -58,15 +58,11 @@ fn config(pods: Vec<PodSpec>) -> ClusterConfig {
 
 /// The body of `GET path` on router `r`'s admin listener.
 async fn router_get(cluster: &Cluster, r: usize, path: &str) -> String {
-    cluster
-        .http
-        .get(format!("{}{path}", cluster.routers[r].admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvsight_harness::http::get_text(
+        &cluster.http,
+        &format!("{}{path}", cluster.routers[r].admin_url()),
+    )
+    .await
 }
 
 /// Sum of a router metric's samples whose labels include every `(key, value)` of `labels`.

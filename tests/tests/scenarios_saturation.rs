@@ -116,14 +116,8 @@ async fn run(
             while !done.is_cancelled() {
                 let mut waiting = 0;
                 for u in &urls {
-                    let text = http
-                        .get(format!("{u}/metrics"))
-                        .send()
-                        .await
-                        .unwrap()
-                        .text()
-                        .await
-                        .unwrap();
+                    let text =
+                        kvsight_harness::http::get_text(&http, &format!("{u}/metrics")).await;
                     let c = kvsight_testbed::cluster::parse_counters(&text).unwrap();
                     waiting += usize::from(c.waiting > 0.0);
                 }

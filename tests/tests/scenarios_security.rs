@@ -80,15 +80,11 @@ async fn a_pod_without_a_ca_signed_certificate_never_receives_a_request() {
         "the impostor's engine saw no request"
     );
     let pods: serde_json::Value = serde_json::from_str(
-        &cluster
-            .http
-            .get(format!("{}/debug/pods", cluster.routers[0].admin_url()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap(),
+        &kvsight_harness::http::get_text(
+            &cluster.http,
+            &format!("{}/debug/pods", cluster.routers[0].admin_url()),
+        )
+        .await,
     )
     .unwrap();
     assert_eq!(pods["pods"].as_array().unwrap().len(), 1, "{pods:#}");

@@ -185,6 +185,19 @@ mod tests {
     use super::*;
     use crate::ModelTokenizer;
 
+    /// The fast path gives the full pipeline's ids for `text`, with and without special tokens;
+    /// `context` leads the failure message.
+    fn assert_fast_equals_reference(tok: &ModelTokenizer, text: &str, context: &str) {
+        for add_special_tokens in [false, true] {
+            assert_eq!(
+                tok.encode(text, add_special_tokens).expect("fast"),
+                tok.encode_reference(text, add_special_tokens)
+                    .expect("reference"),
+                "{context} {text:?}"
+            );
+        }
+    }
+
     /// A tiny sentencepiece-style tokenizer.json: byte fallback, `extra_vocab` and `merges`
     /// on top of "▁", a few letters and the 256 byte tokens, and a BOS post-processor.
     fn tokenizer_json(extra_vocab: &[&str], merges: &[&str], normalizer: Json) -> Vec<u8> {
@@ -273,14 +286,7 @@ mod tests {
             "é ab",
             "a▁b ▁▁a",
         ] {
-            for add_special_tokens in [false, true] {
-                assert_eq!(
-                    tok.encode(text, add_special_tokens).expect("fast"),
-                    tok.encode_reference(text, add_special_tokens)
-                        .expect("reference"),
-                    "{text:?}"
-                );
-            }
+            assert_fast_equals_reference(&tok, text, "");
         }
     }
 
@@ -364,14 +370,7 @@ mod tests {
                 "▁a",
                 "é ab",
             ] {
-                for add_special_tokens in [false, true] {
-                    assert_eq!(
-                        tok.encode(text, add_special_tokens).expect("fast"),
-                        tok.encode_reference(text, add_special_tokens)
-                            .expect("reference"),
-                        "{scheme} {text:?}"
-                    );
-                }
+                assert_fast_equals_reference(&tok, text, scheme);
             }
         }
         // Splitting on "▁" and other replacements are other shapes.

@@ -5,6 +5,9 @@
 //! Llama-2-shaped tokenizer built here, and the rebuilt dialect's fast path compared with its
 //! full `tokenizers` pipeline on adversarial and random text.
 
+mod common;
+
+use common::{NASTY, assert_fast_equals_reference};
 use kvsight_tokenizer::{ChatExtras, ChatMessage, Dialect, ModelTokenizer, TokenizerError};
 use serde_json::{Value as Json, json};
 
@@ -427,67 +430,6 @@ fn phi3_chats_in_both_dialects() {
                 .expect("tf5"),
             ids5,
             "tf5 {rendered:?}"
-        );
-    }
-}
-
-/// Text where the rebuilt dialect's rules bite: spaces, "▁" and whitespace at the start and
-/// after added tokens (with and without `rstrip`), letters of several scripts, emoji, control
-/// and private-use characters, and Phi-3's added tokens.
-const NASTY: &[&str] = &[
-    " ",
-    "  ",
-    "\t",
-    "\n",
-    "\n\n",
-    "\r\n",
-    " \n ",
-    "▁",
-    "▁▁",
-    " ▁",
-    "a",
-    "Hello",
-    "world",
-    "don't",
-    "3.14",
-    "12345",
-    "?!",
-    "é",
-    "e\u{301}",
-    "中文",
-    "日本語のテキスト",
-    "🙂",
-    "👍🏽",
-    "👨‍👩‍👧",
-    "\u{0}",
-    "\u{7f}",
-    "\u{a0}",
-    "\u{200b}",
-    "\u{feff}",
-    "\u{e000}",
-    "\u{10fffd}",
-    "<0x41>",
-    "<",
-    "|",
-    ">",
-    "<|user|>",
-    "<|assistant|>",
-    "<|end|>",
-    "<|system|>",
-    "<|endoftext|>",
-    "<s>",
-    "</s>",
-    "<unk>",
-];
-
-fn assert_fast_equals_reference(tok: &ModelTokenizer, text: &str) {
-    for add_special_tokens in [false, true] {
-        assert_eq!(
-            tok.encode(text, add_special_tokens).expect("fast"),
-            tok.encode_reference(text, add_special_tokens)
-                .expect("reference"),
-            "{} text {text:?}, add_special_tokens {add_special_tokens}",
-            tok.dialect()
         );
     }
 }

@@ -1,6 +1,9 @@
 //! The real Phi-3-mini tokenizer (from `../shared/fixtures`, read at test time) must give the ids
 //! vLLM gives; and the template/tokenizer error paths are typed errors, never panics.
 
+mod common;
+
+use common::{NASTY, assert_fast_equals_reference};
 use kvsight_tokenizer::{ChatExtras, ChatMessage, ContentFormat, ModelTokenizer, TokenizerError};
 
 /// Phi-3-mini's tokenizer files, under `../shared`.
@@ -525,72 +528,6 @@ fn continue_final_message_cuts_after_the_last_content() {
         hidden.render_chat(&msgs("gone"), false, &extras),
         Err(TokenizerError::InvalidMessage { index: 1, .. })
     ));
-}
-
-/// Text the sentencepiece fast path must split exactly as `tokenizers` merges: runs of spaces
-/// at either end, tabs and newlines, "▁" written literally, letters of several scripts,
-/// combining marks, emoji (byte fallback), control and private-use characters, and Phi-3's
-/// added tokens (some strip the whitespace after them).
-const NASTY: &[&str] = &[
-    " ",
-    "  ",
-    "   ",
-    "\t",
-    "\n",
-    "\n\n",
-    "\r\n",
-    " \n ",
-    "▁",
-    "▁▁",
-    " ▁",
-    "a",
-    "Hello",
-    "world",
-    "don't",
-    "3.14",
-    "12345",
-    "...",
-    "?!",
-    "é",
-    "e\u{301}",
-    "Straße",
-    "中文",
-    "日本語のテキスト",
-    "한국어",
-    "🙂",
-    "👍🏽",
-    "👨‍👩‍👧",
-    "\u{0}",
-    "\u{7f}",
-    "\u{a0}",
-    "\u{200b}",
-    "\u{feff}",
-    "\u{e000}",
-    "\u{10fffd}",
-    "𝔘𝔫𝔦",
-    "<0x41>",
-    "<",
-    "|",
-    ">",
-    "<|user|>",
-    "<|assistant|>",
-    "<|end|>",
-    "<|system|>",
-    "<|endoftext|>",
-    "<s>",
-    "</s>",
-    "<unk>",
-];
-
-fn assert_fast_equals_reference(tok: &ModelTokenizer, text: &str) {
-    for add_special_tokens in [false, true] {
-        assert_eq!(
-            tok.encode(text, add_special_tokens).expect("fast"),
-            tok.encode_reference(text, add_special_tokens)
-                .expect("reference"),
-            "text {text:?}, add_special_tokens {add_special_tokens}"
-        );
-    }
 }
 
 #[test]

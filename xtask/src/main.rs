@@ -21,7 +21,7 @@ usage: cargo xtask <command>
 
 commands:
   ci      fmt check; one build of every target that is also clippy -D warnings; deps;
-          history-lint; every
+          history-lint; fn-length; every
           test (the fuzz corpora replayed among them); chart-check; hadolint on the Dockerfile;
           then `bench --quick` (once with one router each, once with two replicas),
           `fleet --quick`, a 1-minute `soak` and `real-vllm`
@@ -175,6 +175,7 @@ fn ci(root: &Path) -> Result<()> {
     )?;
     deps::deps_check()?;
     history_lint::history_lint(root)?;
+    fn_length::check(root)?;
     unsafe_check::unsafe_confined(root)?;
     let python = venv
         .join()

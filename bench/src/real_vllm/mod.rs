@@ -870,12 +870,7 @@ impl<'a> ModelRun<'a> {
     async fn check_metrics_found(&mut self, http: &reqwest::Client) -> Result<()> {
         let mut missing = Vec::new();
         for (_, url) in &self.sidecars {
-            let text = http
-                .get(format!("{url}/metrics"))
-                .send()
-                .await?
-                .text()
-                .await?;
+            let text = crate::client::metrics_text(http, url).await?;
             for s in kvsight_sidecar::scrape::samples(&text)? {
                 if s.name == "kvsight_sidecar_engine_metrics_missing" && s.value > 0.0 {
                     missing.push(s.labels.get("metric").cloned().unwrap_or_default());
@@ -995,12 +990,7 @@ impl<'a> ModelRun<'a> {
     async fn resident_pair(&mut self, http: &reqwest::Client, i: usize) -> Result<(u64, u64)> {
         let mut last = (u64::MAX, u64::MAX);
         for _ in 0..50 {
-            let text = http
-                .get(format!("{}/metrics", self.sidecars[i].1))
-                .send()
-                .await?
-                .text()
-                .await?;
+            let text = crate::client::metrics_text(http, &self.sidecars[i].1).await?;
             let ours = kvsight_sidecar::scrape::samples(&text)?
                 .iter()
                 .find(|s| s.name == "kvsight_sidecar_resident_blocks")
@@ -1339,12 +1329,7 @@ async fn wait_verdict(http: &reqwest::Client, router: &str, model: &str) -> Resu
 
 /// The engine's `/metrics` exposition.
 async fn engine_exposition(http: &reqwest::Client, engine: &str) -> Result<String> {
-    Ok(http
-        .get(format!("{engine}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?)
+    crate::client::metrics_text(http, engine).await
 }
 
 /// The sum of a vLLM metric's samples.

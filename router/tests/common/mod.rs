@@ -197,3 +197,23 @@ pub fn llama2_files(test: &str) -> Option<kvsight_protocol::tokenizer_transfer::
     kvsight_harness::or_skip(test, kvsight_sim::llama2_tokenizer::ensure_dir())
         .map(|dir| kvsight_process::tokenizer_dir::read(&dir).unwrap())
 }
+
+/// A `POST` of a JSON `body` as raw bytes, with `extra` header lines, closing the connection.
+pub fn post_request(path: &str, body: &str, extra: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// `files` as the simulator takes them, to serve the same tokenizer the router reads.
+pub fn sim_tokenizer(
+    files: &kvsight_protocol::tokenizer_transfer::TokenizerFiles,
+) -> kvsight_sim::server::TokenizerFiles {
+    kvsight_sim::server::TokenizerFiles {
+        tokenizer_json: files.tokenizer_json.clone(),
+        tokenizer_config: files.tokenizer_config.clone().unwrap_or_default(),
+    }
+}

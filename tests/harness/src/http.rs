@@ -1,5 +1,5 @@
 //! HTTP as the tests speak it to a router or a pod: a JSON POST asking for the router's decision
-//! header (`x-kvsight-debug: 1`), its answer read whole and timed.
+//! header (`x-kvsight-debug: 1`), its answer read whole and timed; a GET read as text.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,12 @@ pub struct Routed {
     /// Time to the last byte.
     pub total: Duration,
     pub text: String,
+}
+
+/// GETs `url` and reads its body as text; a test's failure when either fails.
+pub async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    let resp = http.get(url).send().await.expect("GET sent");
+    resp.text().await.expect("GET body read")
 }
 
 /// POSTs JSON to `url` asking for the router's decision header; the body is left to read.
